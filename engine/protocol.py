@@ -1,0 +1,30 @@
+"""What the HTTP layer needs from an engine, wherever the engine lives.
+
+`AsyncEngine` satisfies it in-process (bare mode); in Ray Serve mode the ingress wraps a
+replica handle in an object with the same shape. `app/` depends only on this protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from engine.request import Request, TokenDelta
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is full; answer 429 with `retry_after_s`."""
+
+    def __init__(self, message: str = "server overloaded", retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineClient(Protocol):
+    def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
+        """Stream deltas; closing the iterator early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...

@@ -1,0 +1,161 @@
+"""The engine's public contract: what goes in (`Request`) and what comes out (`TokenDelta`).
+
+Everything here is plain data (dataclasses with slots) so it crosses process boundaries
+(Ray actors, pickling) cheaply. Only `app/sse.py` turns deltas into bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class RequestClass(StrEnum):
+    """Interactive requests are scheduled before bulk ones; bulk never starves."""
+
+    INTERACTIVE = "interactive"
+    BULK = "bulk"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached (or the model's context is full)
+    ABORT = "abort"  # the client left or the request was cancelled
+    ERROR = "error"  # the engine failed on this request
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Per-request decoding options. `validate()` raises `ValueError(param, message)`.
+
+    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    `stop` strings never appear in the output text; `stop_token_ids` and EOS end the request
+    with finish reason "stop" unless `ignore_eos` (EOS only) or `min_tokens` says otherwise.
+    `logprobs=None` returns none; `logprobs=k` returns the sampled token's logprob and the
+    top-k alternatives (k may be 0).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        checks = (
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("top_k", self.top_k >= -1, "must be -1, 0 (off) or positive"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+        )
+        for param, ok, message in checks:
+            if not ok:
+                raise ValueError(param, f"{param} {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request as the engine receives it (already tokenized)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_class: RequestClass = RequestClass.INTERACTIVE
+    arrival_time: float = field(default_factory=time.monotonic)
+    tags: dict[str, str] = field(default_factory=dict)
+    deadline: float | None = None  # monotonic seconds; past it the request is aborted
+
+
+@dataclass(slots=True)
+class Timings:
+    """Monotonic timestamps (seconds, engine process clock) of one request's life."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def prefill_s(self) -> float | None:
+        if self.first_scheduled is None or self.first_token is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def decode_s(self) -> float | None:
+        if self.first_token is None or self.finished is None:
+            return None
+        return self.finished - self.first_token
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {
+            "queue_s": self.queue_s,
+            "prefill_s": self.prefill_s,
+            "ttft_s": self.ttft_s,
+            "decode_s": self.decode_s,
+            "e2e_s": None if self.finished is None else self.finished - self.arrival,
+        }
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """What one engine step produced for one request.
+
+    `token_ids` are the new tokens; `text` the new text (which may lag the tokens while a
+    multi-byte character or a possible stop string is held back). `finish_reason` is set on
+    the last delta only. Counters are totals so far.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    timings: Timings | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,98 @@
+"""Engine-side state of one request, and the scheduler's per-step output.
+
+There is no prefill phase: every scheduled sequence catches `num_computed_tokens` (tokens
+whose K/V sit in the cache) up towards `num_tokens`. A chunk that reaches the end samples one
+new token; a chunk that stops short (chunked prefill) samples nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from engine.request import FinishReason, Request, RequestClass, SamplingParams, Timings
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request: Request
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+    timings: Timings
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    @classmethod
+    def from_request(cls, request: Request) -> Sequence:
+        return cls(
+            request=request,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            timings=Timings(arrival=request.arrival_time),
+        )
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def request_class(self) -> RequestClass:
+        return self.request.request_class
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, starting at position `start`, computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence and so yields a new token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
