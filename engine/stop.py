@@ -1,0 +1,37 @@
+"""Token-level stop checks, applied once per new token after it is appended to the sequence.
+
+Stop *strings* are the detokenizer's business (`engine.detokenizer`): they need text.
+
+Contract:
+
+* The token that ends a request (EOS or one of `stop_token_ids`) stays in the sequence's
+  output token ids and counts towards `num_output_tokens`, like vLLM. Its text is not emitted
+  when it is a special token and `skip_special_tokens` is set (the detokenizer skips it).
+* EOS and `stop_token_ids` end a request only once at least `min_tokens` output tokens precede
+  them; an earlier one is an ordinary token (the sampler bans them in that window, so this only
+  matters for tokens that did not come from the sampler). `ignore_eos` disables EOS only.
+* A stop token wins over a length limit reached on the same token (finish reason "stop").
+* `max_tokens` output tokens, or `max_model_len` tokens in all (prompt + output), end the
+  request with finish reason "length".
+"""
+
+from __future__ import annotations
+
+from engine.request import FinishReason
+from engine.sequence import Sequence
+
+
+def check_stop(
+    seq: Sequence, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int
+) -> FinishReason | None:
+    """Why `seq` finishes now that `token_id` (its last token) was appended, or None."""
+    sp = seq.sampling
+    num_output = seq.num_output_tokens
+    if num_output - 1 >= sp.min_tokens:
+        if not sp.ignore_eos and token_id in eos_token_ids:
+            return FinishReason.STOP
+        if token_id in sp.stop_token_ids:
+            return FinishReason.STOP
+    if num_output >= sp.max_tokens or seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
