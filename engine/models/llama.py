@@ -1,0 +1,215 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Interface: `model(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden_size]`
+(after the final norm) and `model.compute_logits(hidden[N, hidden_size]) -> [N, vocab]`.
+`kv_caches[i]` is layer i's `(k_cache, v_cache)`. The forward calls `backend.prepare(meta)`
+once; then each layer projects q/k/v, applies RoPE at `positions`, writes K/V at
+`meta.slot_mapping` and runs the backend. q/k/v and gate/up are fused into one matmul each;
+`load_weights` maps HF checkpoint names onto the fused slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.rope import RotaryEmbedding, apply_rope
+from engine.models.spec import ModelSpec
+from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.kv_write import write_kv
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
+        super().__init__()
+        self.backend = backend
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        q_size = spec.num_heads * spec.head_dim
+        kv_size = spec.num_kv_heads * spec.head_dim
+        self.shard_sizes = (q_size, kv_size, kv_size)  # q_proj, k_proj, v_proj rows
+        self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = h.shape[0]
+        nq, nkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(h).view(num_tokens, nq + 2 * nkv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = apply_rope(self.q_norm(qkv[:, :nq]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, nq : nq + nkv]), cos, sin)
+        else:  # q and k rotate together in one pass
+            qk = apply_rope(qkv[:, : nq + nkv], cos, sin)
+            q, k = qk[:, :nq], qk[:, nq:]
+        v = qkv[:, nq + nkv :]
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self.backend.forward(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            seq_lens_k=meta.seq_lens_k,
+            block_table=meta.block_table,
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
+            scale=self.scale,
+            meta=meta,
+        )
+        return self.o_proj(o.reshape(num_tokens, nq * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        size = spec.intermediate_size
+        self.shard_sizes = (size, size)  # gate_proj, up_proj rows
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# HF checkpoint projection name -> (our fused module name, shard index within it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Checkpoint entries that carry no weights this model uses.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, device: torch.device):
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = (
+            None
+            if spec.tie_word_embeddings
+            else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, torch.device(device))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        self.backend.prepare(meta)
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, vocab]` logits in the model dtype (tied models reuse the embedding matrix)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into this model; raise ValueError on unknown, misshapen or
+        missing weights, so a half-loaded model can never serve."""
+        params = dict(self.named_parameters())
+        fused_shards = self._fused_shards()
+        pending: set[tuple[str, int | None]] = {(name, None) for name in params}
+        for name, shards in fused_shards.items():
+            pending.discard((name, None))
+            pending.update((name, i) for i in range(len(shards)))
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name.endswith(_IGNORED_SUFFIXES) or (
+                name == "lm_head.weight" and self.lm_head is None
+            ):
+                continue  # some tied checkpoints also store lm_head
+            target, shard = self._locate(name, params)
+            dest = params[target].data
+            if shard is not None:
+                start, rows = fused_shards[target][shard]
+                dest = dest.narrow(0, start, rows)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            pending.discard((target, shard))
+        if pending:
+            missing = sorted(n if s is None else f"{n}[shard {s}]" for n, s in pending)
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
+
+    def _locate(self, name: str, params: dict) -> tuple[str, int | None]:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in _FUSED:
+                fused, shard = _FUSED[part]
+                target = ".".join([*parts[:i], fused, *parts[i + 1 :]])
+                if target in params:
+                    return target, shard
+        if name in params:
+            return name, None
+        raise ValueError(f"unexpected weight {name!r} for a {self.spec.model_type} model")
+
+    def _fused_shards(self) -> dict[str, list[tuple[int, int]]]:
+        """Fused parameter name -> [(row offset, rows)] per shard."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for mod_name, mod in self.named_modules():
+            if isinstance(mod, Attention | MLP):
+                fused = "qkv_proj" if isinstance(mod, Attention) else "gate_up_proj"
+                starts = [sum(mod.shard_sizes[:i]) for i in range(len(mod.shard_sizes))]
+                spans = list(zip(starts, mod.shard_sizes, strict=True))
+                out[f"{mod_name}.{fused}.weight"] = spans
+                if getattr(mod, fused).bias is not None:
+                    out[f"{mod_name}.{fused}.bias"] = spans
+        return out

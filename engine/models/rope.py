@@ -1,0 +1,60 @@
+"""Rotary position embeddings (the "rotate half" layout HF Llama checkpoints use).
+
+Frequencies follow transformers' `default`, `linear` and `llama3` rope types exactly (float32).
+`cos`/`sin` are computed once per step for the step's positions and shared by all layers, so
+no table sized by `max_position_embeddings` is ever allocated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.models.spec import RopeSpec
+
+
+def inverse_frequencies(spec: RopeSpec, head_dim: int, device: torch.device) -> torch.Tensor:
+    """`[head_dim // 2]` float32 inverse frequencies after the spec's scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (spec.theta**exponents)
+    if spec.rope_type == "linear":
+        return inv_freq / spec.factor
+    if spec.rope_type == "llama3":
+        return _llama3_scaling(inv_freq, spec)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Long wavelengths divided by `factor`, short ones kept, a smooth blend in between."""
+    old_len = spec.original_max_position_embeddings
+    low_freq_wavelen = old_len / spec.low_freq_factor
+    high_freq_wavelen = old_len / spec.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / spec.factor, inv_freq)
+    smooth = (old_len / wavelen - spec.low_freq_factor) / (
+        spec.high_freq_factor - spec.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Holds the inverse frequencies; `cos_sin(positions)` is called once per forward."""
+
+    def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device):
+        self.inv_freq = inverse_frequencies(spec, head_dim, device)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[T, 1, head_dim // 2]` cos and sin in `dtype`, broadcastable over heads."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x: [T, heads, head_dim]`; equals HF's `x * cos + rotate_half(x) * sin`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

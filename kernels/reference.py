@@ -1,0 +1,168 @@
+"""Paged causal attention in plain torch: correct everywhere, and lean enough to serve on CPU.
+
+The whole varlen batch runs in a handful of tensor ops per layer. Once per step, `prepare`
+turns the block tables into flat slot ids (`[B, max_k]`), the packed queries into rows of a
+padded `[B, max_q]` grid, and the sequence lengths into a boolean mask (key in range and
+bottom-right causal). Each layer then gathers K/V from the flat cache and runs torch's
+`scaled_dot_product_attention` over the padded grid (float32 accumulation, tiled on CPU, and
+rows that see no key come out as zeros, never NaN), then packs the rows back.
+
+GQA never repeats K/V: decode steps (one query per sequence) fold each KV head's query heads
+into the query rows (`[B, kv_heads, group, d]`); longer queries use SDPA's native GQA.
+Layout work is skipped where it is the identity: when every sequence has the same query
+length the queries need no scatter, a lone sequence needs no length mask, and a lone
+sequence with as many queries as keys is plain causal. These shortcuts trust the contract
+that `max_seqlen_q` / `max_seqlen_k` are the maxima of the true lengths, so no tensor is read
+back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.registry import register_backend
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Per-step layout shared by every layer."""
+
+    num_seqs: int
+    max_q: int
+    max_k: int
+    slots: torch.Tensor  # [B * max_k] int64 flat cache slots (0 past each sequence's length)
+    q_index: torch.Tensor | None  # [num_tokens] row of each packed query in the padded grid
+    attend: torch.Tensor | None  # [B, 1, max_q, max_k] bool, True = the query sees the key
+    causal: bool  # square causal attention of one sequence: SDPA's own mask, no tensor
+
+
+def _build_plan(
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    block_size: int,
+    num_tokens: int,
+) -> _Plan:
+    device = seq_lens_k.device
+    num_seqs = int(seq_lens_k.shape[0])
+    j = torch.arange(max_k, device=device)
+    table = block_table[:, : (max_k + block_size - 1) // block_size].long()
+    slots = table[:, j // block_size] * block_size + j % block_size  # [B, max_k]
+    if num_seqs == 1:
+        # One sequence: every key up to max_k is in range; only causality can hide keys.
+        attend = None
+        if 1 < max_q < max_k:
+            r = torch.arange(max_q, device=device)
+            attend = (j[None, :] <= r[:, None] + (max_k - max_q)).view(1, 1, max_q, max_k)
+        causal = 1 < max_q == max_k
+        return _Plan(1, max_q, max_k, slots.view(-1), None, attend, causal)
+    lens_k = seq_lens_k.long()
+    cu = cu_seqlens_q.long()
+    lens_q = cu[1:] - cu[:-1]
+    in_range = j[None, :] < lens_k[:, None]  # [B, max_k]
+    slots = slots.masked_fill(~in_range, 0)  # block-table padding may hold any id
+    r = torch.arange(max_q, device=device)
+    visible = j[None, None, :] <= r[None, :, None] + (lens_k - lens_q)[:, None, None]
+    attend = (visible & in_range[:, None, :])[:, None]  # [B, 1, max_q, max_k]
+    if num_tokens == num_seqs * max_q:
+        q_index = None  # every sequence has max_q queries: packed == padded
+    else:
+        seqs = torch.arange(num_seqs, device=device)
+        seq_of_token = torch.repeat_interleave(seqs, lens_q, output_size=num_tokens)
+        row = torch.arange(num_tokens, device=device) - cu[seq_of_token]
+        q_index = seq_of_token * max_q + row
+    return _Plan(num_seqs, max_q, max_k, slots.view(-1), q_index, attend, False)
+
+
+@register_backend(priority=0)
+class TorchReferenceBackend(AttentionBackend):
+    """Paged attention with torch ops; any device, float32/bfloat16/float16, any shape."""
+
+    name = "torch_ref"
+
+    @classmethod
+    def supports(
+        cls, *, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int
+    ) -> bool:
+        return dtype in (torch.float32, torch.bfloat16, torch.float16) and block_size > 0
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build this step's plan once into `meta.extra` (idempotent)."""
+        if self.name in meta.extra:
+            return
+        meta.extra[self.name] = _build_plan(
+            meta.cu_seqlens_q,
+            meta.seq_lens_k,
+            meta.block_table,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+            meta.block_size,
+            int(meta.slot_mapping.shape[0]),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens_k: torch.Tensor,
+        block_table: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        scale: float,
+        out: torch.Tensor | None = None,
+        meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads = k_cache.shape[2]
+        group = num_heads // kv_heads
+        plan = meta.extra.get(self.name) if meta is not None else None
+        if plan is None:
+            plan = _build_plan(
+                cu_seqlens_q,
+                seq_lens_k,
+                block_table,
+                max_seqlen_q,
+                max_seqlen_k,
+                k_cache.shape[1],
+                num_tokens,
+            )
+        b, max_q, max_k = plan.num_seqs, plan.max_q, plan.max_k
+
+        # [B, kv_heads, max_k, d]: keys gathered through the block tables.
+        k = k_cache.view(-1, kv_heads, head_dim).index_select(0, plan.slots)
+        v = v_cache.view(-1, kv_heads, head_dim).index_select(0, plan.slots)
+        k = k.view(b, max_k, kv_heads, head_dim).transpose(1, 2)
+        v = v.view(b, max_k, kv_heads, head_dim).transpose(1, 2)
+        if plan.q_index is not None:
+            q = q.new_zeros(b * max_q, num_heads, head_dim).index_copy_(0, plan.q_index, q)
+
+        if max_q == 1:  # decode: a KV head's query heads become its query rows
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, kv_heads, group, head_dim), k, v, attn_mask=plan.attend, scale=scale
+            ).reshape(b, num_heads, head_dim)
+        else:
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, max_q, num_heads, head_dim).transpose(1, 2),
+                k,
+                v,
+                attn_mask=plan.attend,
+                is_causal=plan.causal,
+                scale=scale,
+                enable_gqa=group > 1,
+            )
+            o = o.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
+        if plan.q_index is not None:
+            o = o.index_select(0, plan.q_index)
+        if out is None:
+            return o
+        out.copy_(o)
+        return out

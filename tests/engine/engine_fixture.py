@@ -1,0 +1,65 @@
+"""A tiny random Llama saved with a real (in-test trained) tokenizer, for engine tests.
+
+Random weights with a wide initializer give peaked logits, so greedy runs are deterministic
+and comparable with transformers. EOS is id 1 (`<|eos|>`); tests that need full-length runs
+pass `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import transformers
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.request import Request, SamplingParams
+from tests.engine.tokenizer_fixture import build_tokenizer
+
+
+@functools.cache
+def tiny_model_dir() -> Path:
+    tok = build_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    path = Path(tempfile.mkdtemp(prefix="firstlight-tiny-"))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def tiny_config(**overrides) -> EngineConfig:
+    cache = overrides.pop("cache", CacheConfig(num_blocks=128))
+    scheduler = overrides.pop("scheduler", SchedulerConfig())
+    return replace(
+        EngineConfig(model=str(tiny_model_dir()), cache=cache, scheduler=scheduler), **overrides
+    )
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def make_request(rid: str, prompt: list[int], params: SamplingParams, **kw) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(prompt), sampling=params, **kw)
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (n,), generator=g).tolist()
