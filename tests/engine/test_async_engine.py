@@ -1,0 +1,149 @@
+"""AsyncEngine: streaming, cancellation, backpressure by coalescing, stalls, overload."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine, ReaderStalledError
+from engine.config import SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.protocol import QueueFullError
+from engine.request import FinishReason
+from tests.engine.engine_fixture import greedy, make_request, prompt_ids, tiny_config
+
+
+async def make_engine(**kw) -> AsyncEngine:
+    stall = kw.pop("stall_timeout_s", 30.0)
+    engine = AsyncEngine(LLMEngine(tiny_config(**kw)), stall_timeout_s=stall)
+    await engine.start()
+    return engine
+
+
+async def collect(engine: AsyncEngine, request) -> list:
+    return [d async for d in engine.generate(request)]
+
+
+async def wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if not engine.engine.has_unfinished() and not engine._aborts:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("engine did not go idle")
+
+
+async def test_streams_every_token_with_timings() -> None:
+    engine = await make_engine()
+    try:
+        deltas = await collect(engine, make_request("a", prompt_ids(0, 20), greedy(16)))
+        assert sum(len(d.token_ids) for d in deltas) == 16
+        assert deltas[-1].finish_reason is FinishReason.LENGTH
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        timings = deltas[-1].timings.as_dict()
+        assert timings["ttft_s"] > 0 and timings["decode_s"] >= 0 and timings["queue_s"] >= 0
+    finally:
+        await engine.shutdown()
+
+
+async def test_concurrent_requests_match_sequential_ones() -> None:
+    engine = await make_engine()
+    try:
+        reqs = [make_request(f"c{i}", prompt_ids(i, 10 + 7 * i), greedy(12)) for i in range(6)]
+        together = await asyncio.gather(*(collect(engine, r) for r in reqs))
+        for r, deltas in zip(reqs, together, strict=True):
+            alone = await collect(
+                engine, make_request(r.request_id + "-solo", r.prompt_token_ids, r.sampling)
+            )
+            assert [t for d in deltas for t in d.token_ids] == [
+                t for d in alone for t in d.token_ids
+            ]
+    finally:
+        await engine.shutdown()
+
+
+async def test_closing_the_stream_aborts_and_frees_kv() -> None:
+    engine = await make_engine()
+    try:
+        kv = engine.engine.kv
+        baseline = kv.stats().num_free
+        stream = engine.generate(make_request("gone", prompt_ids(1, 40), greedy(400)))
+        first = await anext(stream)
+        assert first.token_ids
+        await stream.aclose()
+        await wait_idle(engine)
+        assert kv.stats().num_free == baseline
+        assert engine.stats()["num_cancelled"] == 1
+        assert engine.stats()["num_aborted"] == 1
+    finally:
+        await engine.shutdown()
+
+
+async def test_slow_reader_gets_coalesced_deltas() -> None:
+    engine = await make_engine()
+    try:
+        stream = engine.generate(make_request("slow", prompt_ids(2, 10), greedy(40)))
+        first = await anext(stream)
+        await asyncio.sleep(0.3)  # the model keeps going; output merges into one slot
+        rest = [d async for d in stream]
+        assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 40
+        assert len(rest) < 39  # fewer deltas than tokens: they were coalesced
+        assert rest[-1].finish_reason is FinishReason.LENGTH
+    finally:
+        await engine.shutdown()
+
+
+async def test_stalled_reader_is_cut_and_request_aborted() -> None:
+    engine = await make_engine(stall_timeout_s=0.05)
+    try:
+        stream = engine.generate(make_request("stall", prompt_ids(3, 10), greedy(500)))
+        await anext(stream)
+        await asyncio.sleep(0.4)
+        with pytest.raises(ReaderStalledError):
+            async for _ in stream:
+                pass
+        await wait_idle(engine)
+        assert engine.engine.kv.stats().num_free == engine.engine.kv.stats().num_blocks
+        assert engine.stats()["num_reader_stalls"] == 1
+    finally:
+        await engine.shutdown()
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.005)):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+async def test_queue_full_raises_before_streaming() -> None:
+    engine = await make_engine(scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=2))
+
+    def start(i: int) -> asyncio.Task:
+        request = make_request(f"b{i}", prompt_ids(i, 8), greedy(480))
+        return asyncio.create_task(collect(engine, request))
+
+    busy = [start(0)]
+    try:
+        await until(lambda: engine.stats()["num_requests_running"]["interactive"] == 1)
+        busy += [start(1), start(2)]  # the pool seats one; these two fill the queue
+        await until(lambda: engine.stats()["num_requests_waiting"]["interactive"] == 2)
+        with pytest.raises(QueueFullError) as info:
+            await collect(engine, make_request("over", prompt_ids(9, 8), greedy(4)))
+        assert info.value.retry_after_s >= 1
+        assert not any(t.done() for t in busy)  # nothing already admitted was harmed
+    finally:
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+        await engine.shutdown()
+
+
+async def test_invalid_request_raises_value_error() -> None:
+    engine = await make_engine()
+    try:
+        with pytest.raises(ValueError):
+            await collect(engine, make_request("big", [5] * 1000, greedy(4)))
+    finally:
+        await engine.shutdown()
