@@ -20,6 +20,10 @@ class QueueFullError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class EngineUnavailableError(RuntimeError):
+    """No engine can take the request right now (none started, all replicas gone); answer 503."""
+
+
 class EngineClient(Protocol):
     def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
         """Stream deltas; closing the iterator early aborts the request."""

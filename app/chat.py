@@ -1,0 +1,54 @@
+"""Chat messages → prompt token ids, through the tokenizer's own chat template.
+
+The template is rendered to text and then encoded without adding special tokens again: the
+template already writes BOS and the role markers, and doubling them changes the model's
+input. Content given as a list of parts is joined with newlines (text parts only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from app.errors import bad_request
+from app.schemas import ChatMessage
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Plain dicts for the template, with `content` always a string."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        item = message.model_dump(exclude_none=True)
+        content = message.content
+        if isinstance(content, list):
+            item["content"] = "\n".join(
+                _part_text(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)
+            )
+        elif content is None:
+            item["content"] = ""
+        out.append(item)
+    return out
+
+
+def _part_text(part: dict[str, Any], param: str) -> str:
+    kind = part.get("type")
+    if kind != "text":
+        raise bad_request(f"content part type {kind!r} is not supported (only 'text')", param)
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise bad_request("a text content part needs a string 'text'", f"{param}.text")
+    return text
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
+    """Render `messages` with the tokenizer's chat template (generation prompt added)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    conversation = template_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # template errors (e.g. "roles must alternate") are the caller's
+        raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))

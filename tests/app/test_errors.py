@@ -1,0 +1,171 @@
+"""Every failure a client can meet, in the OpenAI error schema with the right status."""
+
+from __future__ import annotations
+
+from engine.request import FinishReason
+from tests.app.fakes import FakeEngine, Script, queue_full, unavailable
+from tests.app.helpers import MAX_MODEL_LEN, chat_body, make_app, make_client, parse_sse
+
+
+async def request(engine=None, *, path="/v1/chat/completions", settings=None, **kwargs):
+    app, engine = make_app(engine, **(settings or {}))
+    async with make_client(app) as client:
+        response = await client.post(path, **kwargs)
+    return response, engine
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Traceback" not in error["message"]
+    return error
+
+
+async def test_bad_json_and_non_object_bodies_are_400():
+    response, _ = await request(content=b'{"model": "demo", ')
+    error = error_of(response, 400)
+    assert error["type"] == "invalid_request_error" and "JSON" in error["message"]
+    response, _ = await request(content=b"[1, 2]")
+    assert "JSON object" in error_of(response, 400)["message"]
+    response, _ = await request(content=b"")
+    error_of(response, 400)
+
+
+async def test_wrong_types_are_400_never_422_and_name_the_param():
+    cases = {
+        "temperature": chat_body(temperature="hot"),
+        "messages": chat_body(messages="hello"),
+        "messages[0].content": chat_body(messages=[{"role": "user", "content": 5}]),
+        "messages[0].role": chat_body(messages=[{"content": "hi"}]),
+        "stop": chat_body(stop=[1, 2]),
+        "stream": chat_body(stream="maybe"),
+        "max_tokens": chat_body(max_tokens="many"),
+    }
+    for param, body in cases.items():
+        response, engine = await request(json=body)
+        error = error_of(response, 400)
+        assert error["param"] == param, (param, error)
+        assert engine.requests == []
+    response, _ = await request(json={"model": "demo"})
+    assert error_of(response, 400)["param"] == "messages"
+
+
+async def test_bad_values_are_400_with_the_param():
+    cases = {
+        "top_p": chat_body(top_p=2),
+        "temperature": chat_body(temperature=-1),
+        "max_tokens": chat_body(max_tokens=0),
+        "n": chat_body(n=0),
+        "min_tokens": chat_body(min_tokens=50, max_tokens=10),
+        "logprobs": chat_body(logprobs=True, top_logprobs=50),
+    }
+    for param, body in cases.items():
+        response, _ = await request(json=body)
+        assert error_of(response, 400)["param"] == param, param
+    response, _ = await request(json=chat_body(n=5), settings={"max_n": 4})
+    assert error_of(response, 400)["param"] == "n"
+
+
+async def test_context_overflow_is_400():
+    long = "Hello there! " * MAX_MODEL_LEN
+    response, engine = await request(json=chat_body(messages=[{"role": "user", "content": long}]))
+    error = error_of(response, 400)
+    assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+    assert engine.requests == []
+    response, _ = await request(json=chat_body(max_tokens=MAX_MODEL_LEN))
+    error = error_of(response, 400)
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+
+
+async def test_engine_value_error_is_400():
+    script = Script(raise_first=ValueError("prompt", "token ids must be in [0, 10)"))
+    response, _ = await request(FakeEngine(script=script), json=chat_body())
+    error = error_of(response, 400)
+    assert error["param"] == "prompt" and "token ids" in error["message"]
+
+
+async def test_unknown_model_and_route_are_404():
+    response, engine = await request(json=chat_body(model="gpt-17"))
+    error = error_of(response, 404)
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "gpt-17" in error["message"] and engine.requests == []
+    app, _ = make_app()
+    async with make_client(app) as client:
+        error_of(await client.get("/v1/nothing"), 404)
+
+
+async def test_body_too_large_is_413_before_parsing():
+    body = b'{"junk": "' + b"x" * 5000 + b'"}'
+    response, _ = await request(content=body, settings={"max_body_bytes": 4096})
+    assert error_of(response, 413)["code"] == "request_too_large"
+
+    async def chunked():  # no Content-Length: counted while buffering
+        for _ in range(5):
+            yield b"x" * 1000
+
+    response, _ = await request(content=chunked(), settings={"max_body_bytes": 4096})
+    error_of(response, 413)
+
+    async def small_chunked():
+        yield b'{"model": "demo", "messages": '
+        yield b'[{"role": "user", "content": "Hi"}]}'
+
+    response, _ = await request(content=small_chunked(), settings={"max_body_bytes": 4096})
+    assert response.status_code == 200, response.text
+
+
+async def test_queue_full_is_429_with_retry_after():
+    for stream in (False, True):
+        engine = FakeEngine(script=queue_full())
+        response, _ = await request(engine, json=chat_body(stream=stream))
+        error = error_of(response, 429)
+        assert response.headers["retry-after"] == "3"  # ceil(2.5)
+        assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+        assert response.headers["x-request-id"]
+
+
+async def test_no_engine_is_503():
+    for stream in (False, True):
+        response, _ = await request(FakeEngine(script=unavailable()), json=chat_body(stream=stream))
+        assert error_of(response, 503)["code"] == "engine_unavailable"
+
+
+async def test_unexpected_failure_is_500_without_internals():
+    script = Script(raise_first=RuntimeError("secret internal detail"))
+    response, _ = await request(FakeEngine(script=script), json=chat_body(),
+                                headers={"x-request-id": "boom-1"})  # fmt: skip
+    error = error_of(response, 500)
+    assert "secret" not in error["message"] and "boom-1" in error["message"]
+    assert response.headers["x-request-id"] == "boom-1"
+
+
+async def test_engine_error_finish_is_500_non_streamed():
+    script = Script(finish=FinishReason.ERROR, error="CUDA had a bad day")
+    response, _ = await request(FakeEngine(script=script), json=chat_body())
+    error = error_of(response, 500)
+    assert error["code"] == "engine_error" and "bad day" in error["message"]
+
+
+async def test_mid_stream_error_is_an_sse_error_event_then_done():
+    engine = FakeEngine(script=Script(pieces=("a", "b", "c"), delay_s=0.003, raise_after=2))
+    response, engine = await request(engine, json=chat_body(stream=True))
+    assert response.status_code == 200
+    events = parse_sse(response.content)
+    assert [e["choices"][0]["delta"]["content"] for e in events[:-1]] == ["a", "b"]
+    error = events[-1]["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "server_error" and "Traceback" not in error["message"]
+
+    script = Script(pieces=("a", "b"), delay_s=0.003, finish=FinishReason.ERROR, error="oops")
+    response, _ = await request(FakeEngine(script=script), json=chat_body(stream=True))
+    events = parse_sse(response.content)
+    assert events[0]["choices"][0]["delta"]["content"] == "a"
+    assert events[-1]["error"]["message"] == "oops"
+
+
+async def test_error_in_first_output_of_a_stream_is_still_an_http_status():
+    script = Script(pieces=("a",), finish=FinishReason.ABORT)
+    response, _ = await request(FakeEngine(script=script), json=chat_body(stream=True))
+    assert error_of(response, 503)["code"] == "engine_error"

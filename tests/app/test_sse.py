@@ -1,0 +1,109 @@
+"""`app/sse.py` driven as a raw ASGI app: exact bytes, keepalives, errors, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.errors import APIError
+from app.sse import DONE_FRAME, KEEPALIVE_FRAME, SSEResponse, data_frame
+
+
+class Recorder:
+    """ASGI `send`/`receive` pair: records messages; `disconnect` makes receive return."""
+
+    def __init__(self, send_blocks: bool = False) -> None:
+        self.messages: list[dict] = []
+        self.disconnect = asyncio.Event()
+        self.send_blocks = send_blocks
+
+    async def receive(self) -> dict:
+        await self.disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        if self.send_blocks and message["type"] == "http.response.body":
+            await asyncio.Event().wait()  # a reader that never reads
+        self.messages.append(message)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages[1:])
+
+
+async def run(response: SSEResponse, recorder: Recorder) -> None:
+    await response({"type": "http"}, recorder.receive, recorder.send)
+
+
+def test_data_frame_is_compact_utf8_json():
+    frame = data_frame({"a": [1, 2], "b": {"c": "héllo 世界"}, "d": None})
+    assert frame == 'data: {"a":[1,2],"b":{"c":"héllo 世界"},"d":null}\n\n'.encode()
+
+
+async def test_frames_then_done_then_body_end():
+    async def events():
+        yield {"n": 1}
+        yield None
+        yield {"n": 2}
+
+    recorder = Recorder()
+    await run(SSEResponse(events()), recorder)
+    start, *bodies = recorder.messages
+    assert start["type"] == "http.response.start" and start["status"] == 200
+    headers = dict(start["headers"])
+    assert headers[b"content-type"] == b"text/event-stream"
+    assert headers[b"cache-control"] == b"no-cache"
+    assert headers[b"x-accel-buffering"] == b"no"
+    assert [b["body"] for b in bodies] == [
+        b'data: {"n":1}\n\n',
+        KEEPALIVE_FRAME,
+        b'data: {"n":2}\n\n',
+        DONE_FRAME,
+    ]
+    assert [b["more_body"] for b in bodies] == [True, True, True, False]
+
+
+async def test_source_error_becomes_one_error_event_then_done():
+    async def events():
+        yield {"n": 1}
+        raise APIError(503, "engine went away", type="server_error", code="engine_error")
+
+    recorder = Recorder()
+    await run(SSEResponse(events()), recorder)
+    assert recorder.body == (
+        b'data: {"n":1}\n\n'
+        b'data: {"error":{"message":"engine went away","type":"server_error","param":null,'
+        b'"code":"engine_error"}}\n\n' + DONE_FRAME
+    )
+
+    async def buggy():
+        yield {"n": 1}
+        raise KeyError("internal detail")
+
+    recorder = Recorder()
+    await run(SSEResponse(buggy(), request_id="r-9"), recorder)
+    assert b"internal detail" not in recorder.body and b"r-9" in recorder.body
+    assert recorder.body.endswith(DONE_FRAME)
+
+
+@pytest.mark.parametrize("stalled", [False, True])
+async def test_disconnect_or_stalled_reader_closes_the_source(stalled):
+    closed = asyncio.Event()
+
+    async def events():
+        try:
+            yield {"n": 1}
+            await asyncio.Event().wait()  # the engine has nothing more for now
+            yield {"never": True}
+        finally:
+            closed.set()
+
+    recorder = Recorder(send_blocks=stalled)
+    task = asyncio.create_task(run(SSEResponse(events(), stall_timeout_s=0.05), recorder))
+    await asyncio.sleep(0.02)
+    if not stalled:
+        recorder.disconnect.set()
+    await asyncio.wait_for(task, 2)
+    assert closed.is_set()
+    assert DONE_FRAME not in recorder.body

@@ -1,0 +1,68 @@
+"""Bare mode end to end: the app over the real in-process `AsyncEngine` and the demo model.
+
+Skipped only while the engine package or the built demo model is missing (`make demo`
+builds it); any other failure is a real failure.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from app.settings import Settings
+from tests.app.helpers import live_server, parse_sse, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def build_or_skip():
+    try:
+        from app.standalone import build_standalone
+
+        return build_standalone(Settings(model="demo"))
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"engine or demo model not available: {exc}")
+
+
+async def test_chat_streamed_and_not_against_the_real_engine():
+    app = build_or_skip()
+    engine = app.state.firstlight.endpoints.all[0].client
+    question = [{"role": "user", "content": "Can I pause my annual subscription?"}]
+    async with live_server(app, lifespan="on") as url, httpx.AsyncClient(base_url=url) as client:
+        models = (await client.get("/v1/models")).json()
+        name = models["data"][0]["id"]
+        body = {"model": name, "messages": question, "max_tokens": 12, "temperature": 0}
+        reply = await client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        data = reply.json()
+        assert data["choices"][0]["finish_reason"] in ("stop", "length")
+        assert 0 < data["usage"]["completion_tokens"] <= 12
+        assert (
+            data["firstlight"]["ttft_s"] is not None
+            and "ttft;dur=" in reply.headers["server-timing"]
+        )
+
+        streamed = await client.post(
+            "/v1/chat/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        )
+        chunks = parse_sse(streamed.content)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"])
+        assert text  # (not compared with the first answer: batch shapes may flip near-ties)
+        usage = chunks[-1]["usage"]
+        assert usage["prompt_tokens"] == data["usage"]["prompt_tokens"]
+        assert 0 < usage["completion_tokens"] <= 12
+        assert chunks[-1]["firstlight"]["ttft_s"] is not None
+
+        async with client.stream(
+            "POST", "/v1/chat/completions",
+            json={**body, "max_tokens": 200, "ignore_eos": True, "stream": True},
+        ) as response:  # fmt: skip
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # walk away mid-stream: the engine must abort the request
+        await wait_until(lambda: engine.num_cancelled >= 1)
+        metrics = (await client.get("/metrics")).text
+    assert "firstlight_time_to_first_token_seconds_bucket" in metrics
+    assert 'firstlight_request_cancelled_total{class="interactive"' in metrics
