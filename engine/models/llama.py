@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         self.backend.prepare(meta)
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype, meta.max_seqlen_k - 1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta)
         return self.norm(h)

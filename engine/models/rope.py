@@ -1,8 +1,8 @@
 """Rotary position embeddings (the "rotate half" layout HF Llama checkpoints use).
 
 Frequencies follow transformers' `default`, `linear` and `llama3` rope types exactly (float32).
-`cos`/`sin` are computed once per step for the step's positions and shared by all layers, so
-no table sized by `max_position_embeddings` is ever allocated.
+`cos`/`sin` for the step's positions are looked up once per step and shared by all layers; the
+table grows on demand (doubling), so a short-context deployment never pays for a long one.
 """
 
 from __future__ import annotations
@@ -45,13 +45,30 @@ class RotaryEmbedding:
 
     def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device):
         self.inv_freq = inverse_frequencies(spec, head_dim, device)
+        self._tables: dict[torch.dtype, torch.Tensor] = {}  # [positions, 2, head_dim // 2]
+
+    def _table(self, needed: int, dtype: torch.dtype) -> torch.Tensor:
+        table = self._tables.get(dtype)
+        if table is None or table.shape[0] < needed:
+            size = max(needed, 2 * (0 if table is None else table.shape[0]), 256)
+            positions = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = positions[:, None] * self.inv_freq[None, :]
+            table = torch.stack((freqs.cos(), freqs.sin()), dim=1).to(dtype)
+            self._tables[dtype] = table
+        return table
 
     def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[T, 1, head_dim // 2]` cos and sin in `dtype`, broadcastable over heads."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        """`[T, 1, head_dim // 2]` cos and sin in `dtype`, broadcastable over heads.
+
+        `max_position` (the largest entry of `positions`, if the caller knows it) spares a
+        device-to-host read.
+        """
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        cs = self._table(max_position + 1, dtype).index_select(0, positions)
+        return cs[:, 0:1, :], cs[:, 1:2, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
