@@ -34,7 +34,7 @@ class _Plan:
     num_seqs: int
     max_q: int
     max_k: int
-    slots: torch.Tensor  # [B * max_k] int64 flat cache slots (0 past each sequence's length)
+    blocks: torch.Tensor  # [B * ceil(max_k / block_size)] int64 block ids, gathered whole
     q_index: torch.Tensor | None  # [num_tokens] row of each packed query in the padded grid
     attend: torch.Tensor | None  # [B, 1, max_q, max_k] bool, True = the query sees the key
     causal: bool  # square causal attention of one sequence: SDPA's own mask, no tensor
@@ -52,8 +52,10 @@ def _build_plan(
     device = seq_lens_k.device
     num_seqs = int(seq_lens_k.shape[0])
     j = torch.arange(max_k, device=device)
+    # Whole blocks are gathered (rows of block_size * kv_heads * head_dim: ~3x faster than a
+    # per-slot gather on CPU); entries past a sequence's length are masked, never read as
+    # keys; the block table's padding may hold any value, so it is replaced by block 0.
     table = block_table[:, : (max_k + block_size - 1) // block_size].long()
-    slots = table[:, j // block_size] * block_size + j % block_size  # [B, max_k]
     if num_seqs == 1:
         # One sequence: every key up to max_k is in range; only causality can hide keys.
         attend = None
@@ -61,12 +63,13 @@ def _build_plan(
             r = torch.arange(max_q, device=device)
             attend = (j[None, :] <= r[:, None] + (max_k - max_q)).view(1, 1, max_q, max_k)
         causal = 1 < max_q == max_k
-        return _Plan(1, max_q, max_k, slots.view(-1), None, attend, causal)
+        return _Plan(1, max_q, max_k, table.reshape(-1), None, attend, causal)
     lens_k = seq_lens_k.long()
     cu = cu_seqlens_q.long()
     lens_q = cu[1:] - cu[:-1]
     in_range = j[None, :] < lens_k[:, None]  # [B, max_k]
-    slots = slots.masked_fill(~in_range, 0)  # block-table padding may hold any id
+    used = torch.arange(table.shape[1], device=device)[None, :] * block_size < lens_k[:, None]
+    blocks = table.masked_fill(~used, 0).reshape(-1)
     r = torch.arange(max_q, device=device)
     visible = j[None, None, :] <= r[None, :, None] + (lens_k - lens_q)[:, None, None]
     attend = (visible & in_range[:, None, :])[:, None]  # [B, 1, max_q, max_k]
@@ -77,7 +80,25 @@ def _build_plan(
         seq_of_token = torch.repeat_interleave(seqs, lens_q, output_size=num_tokens)
         row = torch.arange(num_tokens, device=device) - cu[seq_of_token]
         q_index = seq_of_token * max_q + row
-    return _Plan(num_seqs, max_q, max_k, slots.view(-1), q_index, attend, False)
+    return _Plan(num_seqs, max_q, max_k, blocks, q_index, attend, False)
+
+
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One query row per (sequence, head): two batched matmuls over the strided K/V views.
+
+    On CPU this beats SDPA's flash kernel for q_len 1, which copies the strided gathered K/V
+    and tiles for long queries. Accumulates in float32 for half-precision inputs.
+    """
+    dtype = q.dtype
+    if dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if attend is not None:
+        scores.masked_fill_(~attend, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row with no key gives zeros
+    return torch.matmul(probs, v).to(dtype)
 
 
 @register_backend(priority=0)
@@ -138,17 +159,16 @@ class TorchReferenceBackend(AttentionBackend):
         b, max_q, max_k = plan.num_seqs, plan.max_q, plan.max_k
 
         # [B, kv_heads, max_k, d]: keys gathered through the block tables.
-        k = k_cache.view(-1, kv_heads, head_dim).index_select(0, plan.slots)
-        v = v_cache.view(-1, kv_heads, head_dim).index_select(0, plan.slots)
-        k = k.view(b, max_k, kv_heads, head_dim).transpose(1, 2)
-        v = v.view(b, max_k, kv_heads, head_dim).transpose(1, 2)
+        k = k_cache.index_select(0, plan.blocks).view(b, -1, kv_heads, head_dim)
+        v = v_cache.index_select(0, plan.blocks).view(b, -1, kv_heads, head_dim)
+        k = k[:, :max_k].transpose(1, 2)
+        v = v[:, :max_k].transpose(1, 2)
         if plan.q_index is not None:
             q = q.new_zeros(b * max_q, num_heads, head_dim).index_copy_(0, plan.q_index, q)
 
         if max_q == 1:  # decode: a KV head's query heads become its query rows
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, kv_heads, group, head_dim), k, v, attn_mask=plan.attend, scale=scale
-            ).reshape(b, num_heads, head_dim)
+            o = _decode_attention(q.reshape(b, kv_heads, group, head_dim), k, v, plan.attend, scale)
+            o = o.reshape(b, num_heads, head_dim)
         else:
             o = F.scaled_dot_product_attention(
                 q.reshape(b, max_q, num_heads, head_dim).transpose(1, 2),
