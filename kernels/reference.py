@@ -101,6 +101,69 @@ def _decode_attention(
     return torch.matmul(probs, v).to(dtype)
 
 
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences attended together: all decodes (one query each), or all longer queries.
+
+    Mixing them would pad every decode row to the longest prefill chunk. `tokens` holds the
+    packed query rows of the group (None: the group is the whole step, in order); the group's
+    own metadata tensors are kept for kernels that read the paged cache directly.
+    """
+
+    plan: _Plan
+    tokens: torch.Tensor | None
+    seq_lens_k: torch.Tensor
+    block_table: torch.Tensor
+
+
+def _build_groups(
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    block_size: int,
+    num_tokens: int,
+) -> list[AttentionGroup]:
+    num_seqs = int(seq_lens_k.shape[0])
+    if max_q == 1 or num_seqs == 1 or num_tokens == num_seqs * max_q:
+        plan = _build_plan(
+            cu_seqlens_q, seq_lens_k, block_table, max_q, max_k, block_size, num_tokens
+        )
+        return [AttentionGroup(plan, None, seq_lens_k, block_table)]
+    # A host read of the query lengths: this is the reference path (CPU, or a fallback).
+    cu = cu_seqlens_q.tolist()
+    lens_k = seq_lens_k.tolist()
+    decode = [i for i in range(num_seqs) if cu[i + 1] - cu[i] == 1]
+    longer = [i for i in range(num_seqs) if cu[i + 1] - cu[i] > 1]
+    groups = []
+    for seqs in (decode, longer):
+        if not seqs:
+            continue
+        device = seq_lens_k.device
+        rows: list[int] = []
+        sub_cu = [0]
+        for i in seqs:
+            rows.extend(range(cu[i], cu[i + 1]))
+            sub_cu.append(len(rows))
+        index = torch.tensor(seqs, dtype=torch.int64, device=device)
+        sub_lens = seq_lens_k.index_select(0, index)
+        sub_table = block_table.index_select(0, index)
+        sub_max_q = max(sub_cu[j + 1] - sub_cu[j] for j in range(len(seqs)))
+        plan = _build_plan(
+            torch.tensor(sub_cu, dtype=torch.int32, device=device),
+            sub_lens,
+            sub_table,
+            sub_max_q,
+            max(lens_k[i] for i in seqs),
+            block_size,
+            len(rows),
+        )
+        tokens = torch.tensor(rows, dtype=torch.int64, device=device)
+        groups.append(AttentionGroup(plan, tokens, sub_lens, sub_table))
+    return groups
+
+
 @register_backend(priority=0)
 class TorchReferenceBackend(AttentionBackend):
     """Paged attention with torch ops; any device, float32/bfloat16/float16, any shape."""
@@ -114,10 +177,10 @@ class TorchReferenceBackend(AttentionBackend):
         return dtype in (torch.float32, torch.bfloat16, torch.float16) and block_size > 0
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Build this step's plan once into `meta.extra` (idempotent)."""
+        """Build this step's groups and plans once into `meta.extra` (idempotent)."""
         if self.name in meta.extra:
             return
-        meta.extra[self.name] = _build_plan(
+        meta.extra[self.name] = _build_groups(
             meta.cu_seqlens_q,
             meta.seq_lens_k,
             meta.block_table,
@@ -142,20 +205,43 @@ class TorchReferenceBackend(AttentionBackend):
         out: torch.Tensor | None = None,
         meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
-        kv_heads = k_cache.shape[2]
-        group = num_heads // kv_heads
-        plan = meta.extra.get(self.name) if meta is not None else None
-        if plan is None:
-            plan = _build_plan(
+        groups = meta.extra.get(self.name) if meta is not None else None
+        if groups is None:
+            groups = _build_groups(
                 cu_seqlens_q,
                 seq_lens_k,
                 block_table,
                 max_seqlen_q,
                 max_seqlen_k,
                 k_cache.shape[1],
-                num_tokens,
+                q.shape[0],
             )
+        if len(groups) == 1 and groups[0].tokens is None:
+            o = self._attend(groups[0], q, k_cache, v_cache, scale)
+            if out is None:
+                return o
+            return out.copy_(o)
+        if out is None:
+            out = torch.empty_like(q)
+        for g in groups:
+            assert g.tokens is not None
+            o = self._attend(g, q.index_select(0, g.tokens), k_cache, v_cache, scale)
+            out.index_copy_(0, g.tokens, o)
+        return out
+
+    def _attend(
+        self,
+        g: AttentionGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of one group; `q` holds exactly the group's packed query rows."""
+        _, num_heads, head_dim = q.shape
+        kv_heads = k_cache.shape[2]
+        group = num_heads // kv_heads
+        plan = g.plan
         b, max_q, max_k = plan.num_seqs, plan.max_q, plan.max_k
 
         # [B, kv_heads, max_k, d]: keys gathered through the block tables.
@@ -168,21 +254,17 @@ class TorchReferenceBackend(AttentionBackend):
 
         if max_q == 1:  # decode: a KV head's query heads become its query rows
             o = _decode_attention(q.reshape(b, kv_heads, group, head_dim), k, v, plan.attend, scale)
-            o = o.reshape(b, num_heads, head_dim)
-        else:
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, max_q, num_heads, head_dim).transpose(1, 2),
-                k,
-                v,
-                attn_mask=plan.attend,
-                is_causal=plan.causal,
-                scale=scale,
-                enable_gqa=group > 1,
-            )
-            o = o.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
+            return o.reshape(b, num_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            q.reshape(b, max_q, num_heads, head_dim).transpose(1, 2),
+            k,
+            v,
+            attn_mask=plan.attend,
+            is_causal=plan.causal,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        o = o.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
         if plan.q_index is not None:
             o = o.index_select(0, plan.q_index)
-        if out is None:
-            return o
-        out.copy_(o)
-        return out
+        return o

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kernels.cpu_paged import CpuPagedBackend
 from kernels.interface import AttentionMetadata
 from kernels.kv_write import write_kv
 from kernels.reference import TorchReferenceBackend
@@ -98,8 +99,10 @@ def dense_attention(case: PagedCase, scale: float) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def run_backend(case: PagedCase, scale: float, *, use_prepare: bool) -> torch.Tensor:
-    backend = TorchReferenceBackend()
+def run_backend(
+    case: PagedCase, scale: float, *, use_prepare: bool, backend_cls=TorchReferenceBackend
+) -> torch.Tensor:
+    backend = backend_cls()
     meta = case.meta
     if use_prepare:
         backend.prepare(meta)
@@ -128,14 +131,28 @@ LAYOUTS = {
 }
 
 
+def _cpu_kernel_backend():
+    cpu = torch.device("cpu")
+    if not CpuPagedBackend.supports(device=cpu, dtype=torch.float32, head_dim=64, block_size=BLOCK):
+        pytest.skip("the C++ CPU kernel cannot be compiled here")
+    return CpuPagedBackend
+
+
+BACKENDS = {"torch_ref": lambda: TorchReferenceBackend, "cpu_paged": _cpu_kernel_backend}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("use_prepare", [True, False])
-def test_matches_dense_attention(layout: str, group: int, head_dim: int, use_prepare: bool):
+def test_matches_dense_attention(
+    backend: str, layout: str, group: int, head_dim: int, use_prepare: bool
+):
+    backend_cls = BACKENDS[backend]()
     case = make_case(LAYOUTS[layout], num_heads=8, kv_heads=8 // group, head_dim=head_dim)
     scale = head_dim**-0.5
-    got = run_backend(case, scale, use_prepare=use_prepare)
+    got = run_backend(case, scale, use_prepare=use_prepare, backend_cls=backend_cls)
     want = dense_attention(case, scale)
     assert got.shape == case.q.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)

@@ -39,10 +39,12 @@ def test_reference_is_available_and_picked_on_cpu():
 def test_highest_priority_supported_backend_wins(isolated_registry):
     fast = make_backend("fast_test", head_dims=(128,))
     assert register_backend(priority=50)(fast) is fast  # the decorator returns what it wraps
-    register_backend(priority=10)(make_backend("medium_test", head_dims=(64, 128)))
+    register_backend(priority=20)(make_backend("medium_test", head_dims=(64, 128)))
     assert select_backend(None, **{**CPU, "head_dim": 128}).name == "fast_test"
     assert select_backend(None, **CPU).name == "medium_test"  # fast_test lacks head_dim 64
-    assert select_backend(None, **{**CPU, "head_dim": 80}).name == "torch_ref"
+    # bf16 on CPU: only the reference applies among the built-ins (cpu_paged is float32)
+    bf16 = {**CPU, "head_dim": 80, "dtype": torch.bfloat16}
+    assert select_backend(None, **bf16).name == "torch_ref"
     assert available_backends()["fast_test"] == 50
 
 
