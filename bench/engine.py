@@ -207,7 +207,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="demo")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="fewer requests (for smoke tests)")
     result = asyncio.run(main_async(p.parse_args()))
     print(json.dumps(result))

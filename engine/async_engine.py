@@ -1,7 +1,10 @@
 """AsyncEngine: the LLMEngine behind an asyncio interface, with one background step loop.
 
-All engine work (adds, aborts, steps) runs on one dedicated thread, so the event loop only
-hands over inputs and fans out deltas: it never blocks on torch. Each request's output is a
+All engine work (adds, aborts, steps) runs on one dedicated thread that steps back to back
+while there is work and sleeps on a condition when there is none; the event loop only hands
+over inputs (under a lock) and fans out the deltas the thread posts to it
+(`call_soon_threadsafe`), so it never blocks on torch and the next step never waits for the
+loop. Each request's output is a
 single merge slot, not a queue: when the reader keeps up it receives every step's delta the
 moment it exists (the first token included); when it lags, new deltas merge into the pending
 one (backpressure by coalescing, memory bounded by the request's own output). A reader that
@@ -13,10 +16,9 @@ engine step, and its KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,14 +97,16 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, stall_timeout_s: float = 30.0):
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._slots: dict[str, _OutputSlot] = {}
+        # Inputs for the engine thread, guarded by _cond's lock.
+        self._cond = threading.Condition()
         self._adds: list[Request] = []
         self._aborts: list[str] = []
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._failure: BaseException | None = None
-        self._num_waiting = 0  # as of the last step; read on the loop, written by _dispatch
+        self._num_waiting = 0  # as of the last step; written by _dispatch on the loop
         self.num_cancelled = 0
         self.num_stalled = 0
 
@@ -128,26 +132,33 @@ class AsyncEngine:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.engine.eos_token_ids
 
+    @property
+    def is_healthy(self) -> bool:
+        return self._failure is None and (self._thread is None or self._thread.is_alive())
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._task is None:
-            self._wake = asyncio.Event()
-            self._task = asyncio.create_task(self._run(), name="firstlight-engine-loop")
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(
+                target=self._thread_main, name="firstlight-engine", daemon=True
+            )
+            self._thread.start()
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
         for slot in self._slots.values():
             slot.fail(RuntimeError("engine shut down"))
-        self._executor.shutdown(wait=True)
 
     async def warmup(self) -> None:
-        """One real forward pass on scratch blocks, off the event loop."""
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.runner.warmup)
+        """One real forward pass on scratch blocks, off the event loop (before start)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.runner.warmup)
 
     # -- EngineClient ------------------------------------------------------------------------
 
@@ -155,7 +166,7 @@ class AsyncEngine:
         """Stream deltas for `request`. Raises ValueError / QueueFullError before the first."""
         if self._failure is not None:
             raise RuntimeError(f"engine loop failed: {self._failure!r}")
-        if self._task is None:
+        if self._thread is None:
             await self.start()
         self.engine.validate(request)
         rid = request.request_id
@@ -164,8 +175,7 @@ class AsyncEngine:
         if self._num_waiting + len(self._adds) >= self.engine.config.scheduler.max_waiting:
             raise QueueFullError(retry_after_s=self._retry_after_s())
         slot = self._slots[rid] = _OutputSlot()
-        self._adds.append(request)
-        self._kick()
+        self._submit(add=request)
         finished = False
         try:
             while True:
@@ -178,12 +188,10 @@ class AsyncEngine:
             self._slots.pop(rid, None)
             if not finished:
                 self.num_cancelled += 1
-                self._aborts.append(rid)
-                self._kick()
+                self._submit(abort=rid)
 
     async def abort(self, request_id: str) -> None:
-        self._aborts.append(request_id)
-        self._kick()
+        self._submit(abort=request_id)
 
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
@@ -191,42 +199,51 @@ class AsyncEngine:
         stats["num_reader_stalls"] = self.num_stalled
         return stats
 
-    # -- the loop ----------------------------------------------------------------------------
+    # -- the engine thread -------------------------------------------------------------------
 
-    def _kick(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+    def _submit(self, add: Request | None = None, abort: str | None = None) -> None:
+        with self._cond:
+            if add is not None:
+                self._adds.append(add)
+            if abort is not None:
+                self._aborts.append(abort)
+            self._cond.notify()
 
     def _retry_after_s(self) -> float:
         """A rough wait for a waiting slot: one second per max_num_seqs queued requests."""
         cfg = self.engine.config.scheduler
         return max(1.0, cfg.max_waiting / max(1, cfg.max_num_seqs))
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wake is not None
+    def _thread_main(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        idle_steps = 0
         try:
             while True:
-                if not (self._adds or self._aborts or self.engine.has_unfinished()):
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
-                result = await loop.run_in_executor(self._executor, self._step, adds, aborts)
-                self._dispatch(result)
-                if not result.ran and not (self._adds or self._aborts):
-                    await asyncio.sleep(0.005)  # work is queued but nothing fits: don't spin
-        except asyncio.CancelledError:
-            raise
+                with self._cond:
+                    while not (
+                        self._stopping or self._adds or self._aborts or self.engine.has_unfinished()
+                    ):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                result = self._step(adds, aborts)
+                if result.deltas or result.rejected or result.num_waiting != self._num_waiting:
+                    loop.call_soon_threadsafe(self._dispatch, result)
+                # Work is queued but nothing fits yet (all blocks held): back off, don't spin.
+                idle_steps = 0 if result.ran else idle_steps + 1
+                if idle_steps:
+                    with self._cond:
+                        self._cond.wait(timeout=min(0.02, 0.001 * idle_steps))
         except BaseException as exc:  # the engine is broken: fail every open request
             self._failure = exc
-            for slot in self._slots.values():
-                slot.fail(RuntimeError(f"engine failure: {exc!r}"))
-            raise
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail_all, exc)
 
     def _step(self, adds: list[Request], aborts: list[str]) -> _StepResult:
-        """Runs on the engine thread: apply inputs, then one engine step."""
+        """Apply inputs, then one engine step (engine thread only)."""
         rejected: list[tuple[str, BaseException]] = []
         for rid in aborts:
             self.engine.abort(rid)
@@ -240,6 +257,12 @@ class AsyncEngine:
         waiting = sum(self.engine.scheduler.stats().waiting.values())
         return _StepResult(deltas, rejected, waiting, self.engine.counters.steps != steps)
 
+    # -- on the event loop -------------------------------------------------------------------
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for slot in self._slots.values():
+            slot.fail(RuntimeError(f"engine failure: {exc!r}"))
+
     def _dispatch(self, result: _StepResult) -> None:
         now = time.monotonic()
         self._num_waiting = result.num_waiting
@@ -251,7 +274,7 @@ class AsyncEngine:
             if slot is not None:
                 slot.put(delta, now)
             elif not delta.finished:  # reader already gone: make sure the request dies
-                self._aborts.append(delta.request_id)
+                self._submit(abort=delta.request_id)
         self._cut_stalled_readers(now)
 
     def _cut_stalled_readers(self, now: float) -> None:
@@ -259,7 +282,7 @@ class AsyncEngine:
         for rid, slot in self._slots.items():
             if slot.pending is not None and slot.error is None and now - slot.pending_since > limit:
                 self.num_stalled += 1
-                self._aborts.append(rid)
+                self._submit(abort=rid)
                 slot.fail(ReaderStalledError(f"reader stalled for more than {limit:.0f}s"))
 
 
