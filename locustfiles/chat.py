@@ -11,6 +11,7 @@ while bulk work shares the fleet. Only ever point it at a server you run on 127.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -72,7 +73,7 @@ class ChatUser(HttpUser):
             return
         tier = self.service_tier or "interactive"
         self._record(f"ttft[{tier}]", 1000 * (stamps[0] - start))
-        for a, b in zip(stamps, stamps[1:], strict=False):
+        for a, b in itertools.pairwise(stamps):
             self._record(f"itl[{tier}]", 1000 * (b - a))
         if len(stamps) > 1:
             self._record(f"tpot[{tier}]", 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1))
