@@ -1,6 +1,6 @@
 """Try a model from the command line, streaming the answer token by token.
 
-    python -m engine.generate --model demo "Can I pause my annual subscription?"
+python -m engine.generate --model demo "Can I pause my annual subscription?"
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def build_prompt(tokenizer, text: str, raw: bool) -> list[int]:
         return tokenizer.encode(text)
     messages = [{"role": "user", "content": text}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding in v5
 
 
 async def run(args: argparse.Namespace) -> None:
