@@ -1,0 +1,56 @@
+"""Messages of the token-path boundary (ModelReplica → ingress), besides `TokenDelta`.
+
+A request the engine refuses before its first token (bad request, full queue, dead engine)
+comes back as one `ReplicaError` item instead of a raised exception: a typed value crosses
+the actor hop intact and cheaply, where a raised one would arrive as a `RayTaskError` with a
+formatted traceback. `ReplicaError.exception()` rebuilds what the local engine would have
+raised, so the HTTP layer answers 400 / 429 / 503 exactly as in bare mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from engine.protocol import EngineUnavailableError, QueueFullError
+
+
+class ErrorKind(StrEnum):
+    INVALID = "invalid"  # ValueError(param, message) → 400
+    QUEUE_FULL = "queue_full"  # QueueFullError → 429 + Retry-After
+    UNAVAILABLE = "unavailable"  # the engine cannot serve (its loop died) → 503
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaError:
+    kind: ErrorKind
+    message: str
+    param: str | None = None
+    retry_after_s: float = 1.0
+
+    @classmethod
+    def from_exception(cls, exc: Exception) -> ReplicaError:
+        if isinstance(exc, QueueFullError):
+            return cls(ErrorKind.QUEUE_FULL, str(exc), retry_after_s=exc.retry_after_s)
+        if isinstance(exc, ValueError):
+            if len(exc.args) == 2 and all(isinstance(a, str) for a in exc.args):
+                return cls(ErrorKind.INVALID, exc.args[1], param=exc.args[0])
+            return cls(ErrorKind.INVALID, str(exc))
+        return cls(ErrorKind.UNAVAILABLE, str(exc) or type(exc).__name__)
+
+    def exception(self) -> Exception:
+        if self.kind is ErrorKind.QUEUE_FULL:
+            return QueueFullError(self.message, retry_after_s=self.retry_after_s)
+        if self.kind is ErrorKind.INVALID:
+            return ValueError(self.param, self.message) if self.param else ValueError(self.message)
+        return EngineUnavailableError(self.message)
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaInfo:
+    """What an ingress needs to know about the model a replica serves."""
+
+    replica_id: str
+    model: str  # the served model name
+    model_path: str  # local directory of weights and tokenizer
+    max_model_len: int

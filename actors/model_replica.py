@@ -1,0 +1,144 @@
+"""The ModelReplica deployment: one `AsyncEngine` behind a streaming Serve method.
+
+What it adds to the engine, and nothing else:
+* readiness: `__init__` loads the weights, starts the engine loop and runs one real one-token
+  request, so Serve routes to a new replica (scale-up, replacement) only once it is warm;
+* `generate(request)`: an async generator of `TokenDelta`s as the engine emits them (the first
+  one is yielded the moment it exists; there is no timer on this path). A refusal before the
+  first token, or the engine dying under the request, is yielded as one `ReplicaError`. When
+  the caller goes away (client disconnect → Serve cancels the call → `CancelledError` here),
+  the engine iterator is closed, which aborts the request within one engine step and returns
+  its KV blocks;
+* `check_health` fails once the engine loop has died, so Serve replaces the replica;
+* stats: pushed to the Scheduler every `stats_interval_s` from a background task (never
+  awaited by a request), served by `stats()`, and published to Serve's router through
+  `record_routing_stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from actors.cluster import ReplicaReport
+from actors.messages import ReplicaError, ReplicaInfo
+from actors.runtime import replica_id, rss_bytes
+from actors.settings import AppConfig
+from engine.async_engine import AsyncEngine
+from engine.protocol import EngineUnavailableError, QueueFullError
+from engine.request import Request, SamplingParams, TokenDelta
+
+logger = logging.getLogger("firstlight.replica")
+
+
+@serve.deployment(name="ModelReplica")
+class ModelReplica:
+    async def __init__(self, config: AppConfig, scheduler: DeploymentHandle | None = None):
+        self.config = config
+        self.scheduler = scheduler
+        self.replica_id = replica_id()
+        self.engine = await asyncio.to_thread(
+            AsyncEngine.from_config,
+            config.engine.engine_config(),
+            stall_timeout_s=config.engine.stall_timeout_s,
+        )
+        await self.engine.warmup()
+        await self.engine.start()
+        await self._warm_request()
+        self._reporter = asyncio.create_task(self._report_loop(), name="replica-stats")
+        logger.info("replica %s ready (%s)", self.replica_id, self.config.engine.model)
+
+    async def _warm_request(self) -> None:
+        """One real request through the whole engine path (schedule, forward, sample, detok)."""
+        ids = list(self.engine.tokenizer.encode("Hello"))[:8] or [0]
+        request = Request(f"warmup-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1))
+        async for _ in self.engine.generate(request):
+            pass
+
+    # -- the token path ------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> AsyncIterator[TokenDelta | ReplicaError]:
+        if not self.engine.is_healthy:
+            yield ReplicaError.from_exception(EngineUnavailableError("the engine is not running"))
+            return
+        stream = self.engine.generate(request)
+        try:
+            async for delta in stream:
+                yield delta
+        except (ValueError, QueueFullError) as exc:  # refused before the first token
+            yield ReplicaError.from_exception(exc)
+        except RuntimeError as exc:
+            if self.engine.is_healthy:
+                raise
+            yield ReplicaError.from_exception(EngineUnavailableError(str(exc)))  # engine died
+        finally:
+            await stream.aclose()  # a no-op when finished; otherwise aborts the request
+
+    # -- health and stats ----------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        if not self.engine.is_healthy:
+            raise RuntimeError(f"the engine of replica {self.replica_id} is not running")
+
+    async def info(self) -> ReplicaInfo:
+        return ReplicaInfo(
+            replica_id=self.replica_id,
+            model=self.config.served_model_name,
+            model_path=str(self.engine.engine.model_path),
+            max_model_len=self.engine.max_model_len,
+        )
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine stats plus `replica_id` and `rss_bytes` (resident memory of this process)."""
+        stats = self.engine.stats()
+        stats["replica_id"] = self.replica_id
+        stats["rss_bytes"] = rss_bytes()
+        return stats
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        return {
+            "kv_cache_usage_perc": stats["kv_cache_usage_perc"],
+            "kv_num_free_blocks": stats["kv_num_free_blocks"],
+            "num_requests_running": sum(stats["num_requests_running"].values()),
+            "num_requests_waiting": sum(stats["num_requests_waiting"].values()),
+        }
+
+    async def _report_loop(self) -> None:
+        interval = self.config.replica.stats_interval_s
+        while self.scheduler is not None:
+            try:
+                report = ReplicaReport(
+                    replica_id=self.replica_id,
+                    model=self.config.served_model_name,
+                    stats=await self.stats(),
+                    healthy=self.engine.is_healthy,
+                )
+                async with asyncio.timeout(max(1.0, 4 * interval)):
+                    await self.scheduler.report_replica.remote(report)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the control plane is optional for serving tokens
+                logger.debug("stats push failed: %r", exc)
+            await asyncio.sleep(interval)
+
+    async def __del__(self) -> None:
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:
+            reporter.cancel()
+            with contextlib.suppress(BaseException):
+                await reporter
+        if self.scheduler is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await self.scheduler.remove_replica.remote(self.replica_id)
+        engine = getattr(self, "engine", None)  # absent when __init__ failed early
+        if engine is not None:
+            await engine.shutdown()

@@ -1,0 +1,155 @@
+"""The ModelReplica class around the real engine, without a Ray cluster: warm start, the
+token stream, refusals as typed items, cancellation (what Serve does on client disconnect),
+health, and the stats push."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from actors.cluster import ReplicaReport
+from actors.messages import ErrorKind, ReplicaError, ReplicaInfo
+from actors.model_replica import ModelReplica
+from engine.request import Request, SamplingParams
+from tests.actors.helpers import require_demo_model, small_config
+
+pytestmark = pytest.mark.slow
+
+
+class FakeScheduler:
+    """Records what the replica pushes (`handle.report_replica.remote(report)`)."""
+
+    def __init__(self) -> None:
+        self.reports: list[ReplicaReport] = []
+        self.removed: list[str] = []
+
+    @property
+    def report_replica(self) -> Any:
+        return self._method(self.reports.append)
+
+    @property
+    def remove_replica(self) -> Any:
+        return self._method(self.removed.append)
+
+    @staticmethod
+    def _method(record: Any) -> Any:
+        class Method:
+            @staticmethod
+            async def remote(arg: Any) -> None:
+                record(arg)
+
+        return Method
+
+
+async def make_replica(scheduler: FakeScheduler | None = None, **sections: Any) -> Any:
+    require_demo_model()
+    cls = ModelReplica.func_or_class  # the plain class under @serve.deployment
+    replica = cls.__new__(cls)
+    config = small_config(replica={"stats_interval_s": 0.05}, **sections)
+    await replica.__init__(config, scheduler)
+    return replica
+
+
+def request(rid: str, prompt: list[int], **sampling: Any) -> Request:
+    params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **sampling}
+    return Request(rid, prompt, SamplingParams(**params))
+
+
+async def prompt_ids(replica: Any) -> list[int]:
+    return list(replica.engine.tokenizer.encode("Can I pause my annual subscription?"))
+
+
+async def test_a_started_replica_is_warm_and_streams_every_token():
+    replica = await make_replica()
+    try:
+        stats = await replica.stats()
+        assert stats["num_steps"] >= 1  # the warm-up request ran before __init__ returned
+        assert stats["rss_bytes"] > 0
+        info = await replica.info()
+        assert isinstance(info, ReplicaInfo) and info.model == "demo"
+        assert info.max_model_len == replica.engine.max_model_len
+        deltas = [d async for d in replica.generate(request("a", await prompt_ids(replica)))]
+        assert sum(len(d.token_ids) for d in deltas) == 8
+        assert deltas[-1].finish_reason == "length"
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        await replica.check_health()
+    finally:
+        await replica.__del__()
+
+
+async def test_refusals_come_back_as_one_typed_item():
+    replica = await make_replica()
+    try:
+        too_long = request("long", [1] * (replica.engine.max_model_len + 1))
+        items = [i async for i in replica.generate(too_long)]
+        assert len(items) == 1 and isinstance(items[0], ReplicaError)
+        assert (items[0].kind, items[0].param) == (ErrorKind.INVALID, "prompt")
+
+        # 4 running + 4 waiting fill this replica; the rest are refused with 429 semantics.
+        prompt = await prompt_ids(replica)
+        streams = [replica.generate(request(f"f{i}", prompt, max_tokens=64)) for i in range(12)]
+        firsts = await asyncio.gather(*(anext(s) for s in streams))
+        refused = [f for f in firsts if isinstance(f, ReplicaError)]
+        assert refused and all(f.kind is ErrorKind.QUEUE_FULL for f in refused)
+        assert len(refused) <= 12 - 4
+        for s in streams:
+            await s.aclose()
+    finally:
+        await replica.__del__()
+
+
+async def test_cancellation_aborts_the_request_and_frees_its_blocks():
+    replica = await make_replica()
+    try:
+        baseline = await replica.stats()
+        stream = replica.generate(request("c", await prompt_ids(replica), max_tokens=200))
+        await anext(stream)
+        await anext(stream)
+        assert (await replica.stats())["kv_num_free_blocks"] < baseline["kv_num_free_blocks"]
+        # What Serve does when the client disconnects: CancelledError at the suspended yield.
+        with pytest.raises(asyncio.CancelledError):
+            await stream.athrow(asyncio.CancelledError())
+        for _ in range(100):  # the abort lands within one engine step
+            stats = await replica.stats()
+            if stats["kv_num_free_blocks"] == baseline["kv_num_free_blocks"]:
+                break
+            await asyncio.sleep(0.01)
+        assert stats["kv_num_free_blocks"] == baseline["kv_num_free_blocks"]
+        assert stats["num_cancelled"] == baseline["num_cancelled"] + 1
+        assert sum(stats["num_requests_running"].values()) == 0
+    finally:
+        await replica.__del__()
+
+
+async def test_stats_are_pushed_and_health_fails_once_the_engine_loop_is_gone():
+    scheduler = FakeScheduler()
+    replica = await make_replica(scheduler)
+    for _ in range(100):
+        if len(scheduler.reports) >= 2:
+            break
+        await asyncio.sleep(0.02)
+    report = scheduler.reports[-1]
+    assert (report.replica_id, report.model, report.healthy) == (replica.replica_id, "demo", True)
+    assert "kv_cache_usage_perc" in report.stats
+    routing = await replica.record_routing_stats()
+    assert set(routing) == {
+        "kv_cache_usage_perc",
+        "kv_num_free_blocks",
+        "num_requests_running",
+        "num_requests_waiting",
+    }
+
+    def broken_step() -> list:
+        raise RuntimeError("CUDA error: device-side assert")  # the engine thread dies
+
+    replica.engine.engine.step = broken_step
+    doomed = [i async for i in replica.generate(request("d", [1, 2, 3]))]
+    assert [i.kind for i in doomed] == [ErrorKind.UNAVAILABLE]  # failed with its engine
+    with pytest.raises(RuntimeError, match="not running"):
+        await replica.check_health()
+    items = [i async for i in replica.generate(request("x", [1, 2, 3]))]
+    assert len(items) == 1 and items[0].kind is ErrorKind.UNAVAILABLE
+    await replica.__del__()
+    assert scheduler.removed == [replica.replica_id]

@@ -1,0 +1,175 @@
+"""ReplicaClient against a stand-in DeploymentHandle: what crosses the hop, and what comes out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+
+from actors.messages import ErrorKind, ReplicaError
+from actors.replica_client import ReplicaClient
+from engine.protocol import EngineUnavailableError, QueueFullError
+from engine.request import FinishReason, Request, TokenDelta
+
+
+class FakeResponse:
+    """Stands in for a DeploymentResponseGenerator: yields `items`, then raises `error`
+    (if any), or waits forever when `hang`."""
+
+    def __init__(
+        self,
+        items: list[Any],
+        error: BaseException | None = None,
+        hang: bool = False,
+        cancel_error: BaseException | None = None,
+    ) -> None:
+        self.items = list(items)
+        self.error = error
+        self.hang = hang
+        self.cancel_error = cancel_error
+        self.cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.items:
+            return self.items.pop(0)
+        if self.error is not None:
+            raise self.error
+        if self.hang:
+            await asyncio.Event().wait()
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.cancel_error is not None:  # Serve re-raises a failed assignment's error
+            raise self.cancel_error
+
+
+class FakeHandle:
+    def __init__(self, response: FakeResponse) -> None:
+        self.response = response
+        self.options_seen: dict[str, Any] = {}
+        self.sent: list[Request] = []
+
+    def options(self, **kwargs: Any) -> FakeHandle:
+        self.options_seen = kwargs
+        return self
+
+    @property
+    def generate(self) -> FakeHandle:
+        return self
+
+    def remote(self, request: Request) -> FakeResponse:
+        self.sent.append(request)
+        return self.response
+
+
+def delta(n: int, finish: FinishReason | None = None) -> TokenDelta:
+    return TokenDelta("r1", [n], f"t{n}", finish_reason=finish, num_output_tokens=n)
+
+
+REQUEST = Request("r1", [1, 2, 3])
+
+
+async def drain(client: ReplicaClient) -> list[TokenDelta]:
+    return [d async for d in client.generate(REQUEST)]
+
+
+async def test_deltas_pass_through_and_a_finished_call_is_not_cancelled():
+    response = FakeResponse([delta(1), delta(2), delta(3, FinishReason.STOP)])
+    handle = FakeHandle(response)
+    client = ReplicaClient(handle, transport={"_by_reference": False})
+    assert [d.text for d in await drain(client)] == ["t1", "t2", "t3"]
+    assert handle.options_seen == {"stream": True, "_by_reference": False}
+    assert handle.sent == [REQUEST]
+    assert not response.cancelled
+
+
+@pytest.mark.parametrize(
+    ("error", "expected", "check"),
+    [
+        (
+            ReplicaError(ErrorKind.QUEUE_FULL, "full", retry_after_s=7.0),
+            QueueFullError,
+            lambda e: e.retry_after_s == 7.0,
+        ),
+        (
+            ReplicaError(ErrorKind.INVALID, "too long", param="prompt"),
+            ValueError,
+            lambda e: e.args == ("prompt", "too long"),
+        ),
+        (
+            ReplicaError(ErrorKind.UNAVAILABLE, "loop died"),
+            EngineUnavailableError,
+            lambda e: "loop died" in str(e),
+        ),
+    ],
+)
+async def test_replica_refusals_become_the_engines_own_exceptions(error, expected, check):
+    response = FakeResponse([error])
+    with pytest.raises(expected) as info:
+        await drain(ReplicaClient(FakeHandle(response)))
+    assert check(info.value)
+    assert not response.cancelled  # the replica's call already ended
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected"),
+    [
+        (
+            BackPressureError(num_queued_requests=9, max_queued_requests=8, retry_after_s=2.0),
+            QueueFullError,
+        ),
+        (ActorDiedError(), EngineUnavailableError),
+        (RayTaskError("generate", "traceback", ActorDiedError()), EngineUnavailableError),
+        (RayTaskError("generate", "traceback", KeyError("boom")), RuntimeError),
+    ],
+)
+async def test_serve_and_ray_failures_are_translated(raised, expected):
+    response = FakeResponse([delta(1)], error=raised, cancel_error=raised)
+    with pytest.raises(expected):
+        await drain(ReplicaClient(FakeHandle(response)))
+    assert response.cancelled
+
+
+async def test_a_stream_that_ends_without_its_last_delta_is_an_error():
+    with pytest.raises(RuntimeError, match="ended before its last delta"):
+        await drain(ReplicaClient(FakeHandle(FakeResponse([delta(1)]))))
+
+
+async def test_closing_early_cancels_the_replica_call():
+    response = FakeResponse([delta(1), delta(2)], hang=True)
+    stream = ReplicaClient(FakeHandle(response)).generate(REQUEST)
+    assert (await anext(stream)).text == "t1"
+    await stream.aclose()
+    assert response.cancelled
+
+
+async def test_abort_cancels_the_request_in_flight():
+    response = FakeResponse([delta(1)], hang=True)
+    client = ReplicaClient(FakeHandle(response))
+    stream = client.generate(REQUEST)
+    await anext(stream)
+    await client.abort("other-id")
+    assert not response.cancelled
+    await client.abort("r1")
+    assert response.cancelled
+    await stream.aclose()
+
+
+async def test_admission_refuses_before_anything_is_sent():
+    def full(request: Request) -> None:
+        raise QueueFullError(retry_after_s=3.0)
+
+    handle = FakeHandle(FakeResponse([delta(1, FinishReason.STOP)]))
+    client = ReplicaClient(handle, admit=full, stats=lambda: {"num_replicas": 2})
+    with pytest.raises(QueueFullError):
+        await drain(client)
+    assert handle.sent == []
+    assert client.stats() == {"num_replicas": 2}

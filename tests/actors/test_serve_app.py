@@ -1,0 +1,408 @@
+"""The whole application on a real Ray Serve (127.0.0.1, the demo model), started once for
+this module: OpenAI SDK with strict validation, raw SSE bytes, error statuses, overload,
+client disconnects, slow readers, metrics from one scrape, and a replica dying.
+
+Tests run in file order; the last one kills the model replica."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.actors.helpers import require_demo_model, small_config
+from tests.app.helpers import parse_sse
+
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "Can I pause my annual subscription?"
+STALL_S = 2.0  # engine stall limit in this module's config
+TTL_S = 0.8  # a replica silent this long leaves the cluster view
+
+
+def config() -> Any:
+    return small_config(
+        engine={"stall_timeout_s": STALL_S},
+        max_body_bytes=64 * 1024,
+        stall_timeout_s=STALL_S,
+        replica={
+            "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+            "max_queued_requests": 4,
+            "stats_interval_s": 0.2,
+            "health_check_period_s": 1.0,
+        },
+        ingress={"sync_interval_s": 0.2},
+        scheduler={"report_ttl_s": TTL_S},
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    require_demo_model()
+    import ray
+    from ray import serve
+
+    from actors.builder import application
+
+    controller = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"]
+    temp_dir = tempfile.mkdtemp(prefix="fl-test-ray-")
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old_path]))
+    port = free_port()
+    ray.init(
+        address="local",
+        namespace="firstlight-tests",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=temp_dir,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller)
+        serve.run(application(config()), name="firstlight", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def replica_handle() -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle("ModelReplica", app_name="firstlight")
+
+
+async def replica_stats() -> dict[str, Any]:
+    return await replica_handle().stats.remote()
+
+
+def chat(**overrides: Any) -> dict[str, Any]:
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    body.update(overrides)
+    return body
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, dict[tuple, float]]:
+    """/metrics as {sample name: {sorted label items: value}}."""
+    text = (await client.get("/metrics")).text
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def total(metrics: dict[str, dict[tuple, float]], name: str) -> float:
+    return sum(metrics.get(name, {}).values())
+
+
+async def eventually(check: Any, timeout: float = 10.0, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result or time.monotonic() > deadline:
+            return result
+        await asyncio.sleep(every)
+
+
+def sdk(base_url: str, strict: bool = True) -> openai.AsyncOpenAI:
+    """The official client. Strict validation suits chat; the SDK's `Completion` type has a
+    non-optional `finish_reason`, which streamed completions (ours, OpenAI's) send as null."""
+    return openai.AsyncOpenAI(
+        base_url=base_url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        _strict_response_validation=strict,
+    )
+
+
+# -- the OpenAI surface ----------------------------------------------------------------------
+
+
+async def test_models_health_and_chat_through_the_sdk(base_url):
+    client = sdk(base_url)
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        assert (await http.get("/health")).status_code == 200
+
+    reply = await client.chat.completions.create(**chat())
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content
+    assert reply.usage.completion_tokens <= 12
+
+    stream = await client.chat.completions.create(
+        **chat(), stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content  # greedy: same answer streamed
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == reply.usage.total_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_completions_with_n_logprobs_and_stop(base_url):
+    client = sdk(base_url, strict=False)
+    eos = {"ignore_eos": True}
+    plain = await client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=10, temperature=0, n=2, logprobs=2, extra_body=eos
+    )
+    assert sorted(c.index for c in plain.choices) == [0, 1]
+    assert plain.choices[0].text == plain.choices[1].text  # greedy
+    assert len(plain.choices[0].logprobs.tokens) == plain.usage.completion_tokens // 2
+    assert all(len(top) <= 2 for top in plain.choices[0].logprobs.top_logprobs)
+
+    words = plain.choices[0].text.split()
+    stop = words[len(words) // 2]
+    stopped = await client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=10, temperature=0, stop=[stop], extra_body=eos
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop not in stopped.choices[0].text
+    assert plain.choices[0].text.startswith(stopped.choices[0].text)
+
+    stream = await client.completions.create(
+        model="demo",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=eos,
+    )
+    chunks = [c async for c in stream]
+    for index in (0, 1):
+        text = "".join(ch.text for c in chunks for ch in c.choices if ch.index == index)
+        assert text == plain.choices[index].text
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+async def test_sse_bytes_are_exactly_framed(base_url):
+    async with (
+        httpx.AsyncClient(base_url=base_url) as client,
+        client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/event-stream"
+        assert len(response.headers.get_list("x-request-id")) == 1
+        body = b"".join([chunk async for chunk in response.aiter_raw()])
+    events = parse_sse(body)
+    assert events and all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_error_statuses_use_the_openai_schema(base_url):
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        cases = [
+            (400, await client.post("/v1/chat/completions", json=chat(temperature=-1))),
+            (
+                400,
+                await client.post(
+                    "/v1/chat/completions",
+                    content=b"{not json",
+                    headers={"content-type": "application/json"},
+                ),
+            ),
+            (
+                400,
+                await client.post("/v1/completions", json={"model": "demo", "prompt": "x " * 5000}),
+            ),
+            (404, await client.post("/v1/chat/completions", json=chat(model="nope"))),
+            (
+                413,
+                await client.post(
+                    "/v1/completions", json={"model": "demo", "prompt": "y" * 70_000}
+                ),
+            ),
+        ]
+        for status, response in cases:
+            assert response.status_code == status, response.text
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+        assert (await client.post("/v1/chat/completions", json=chat())).status_code == 200
+
+
+# -- overload, disconnects, slow readers -----------------------------------------------------
+
+
+async def test_a_flood_gets_429_and_the_replica_keeps_serving(base_url):
+    before = await replica_stats()
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
+        responses = await asyncio.gather(
+            *(
+                client.post("/v1/chat/completions", json=chat(max_tokens=48, ignore_eos=True))
+                for _ in range(32)
+            )
+        )
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) <= {200, 429}, statuses
+        rejected = [r for r in responses if r.status_code == 429]
+        assert rejected and statuses.count(200) >= 4
+        assert all(int(r.headers["retry-after"]) >= 1 for r in rejected)
+        for r in rejected:
+            assert r.headers["content-type"] == "application/json", (r.text, r.headers)
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        after = await client.post("/v1/chat/completions", json=chat())
+        assert after.status_code == 200
+    assert (await replica_stats())["replica_id"] == before["replica_id"]  # no restart
+
+
+async def test_client_closing_mid_stream_aborts_and_frees_kv(base_url):
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        baseline = await scrape(client)
+        kv_baseline = total(baseline, "firstlight_kv_cache_usage_perc")
+        free_before = (await replica_stats())["kv_num_free_blocks"]
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=400, ignore_eos=True)
+        ) as r:
+            chunks = r.aiter_raw()
+            await anext(chunks)
+
+            async def kv_in_use() -> bool:
+                return total(await scrape(client), "firstlight_kv_cache_usage_perc") > kv_baseline
+
+            assert await eventually(kv_in_use, timeout=5.0), "the scrape never showed the KV use"
+        # The stream is closed here: the request must be aborted in the replica.
+
+        async def settled() -> dict | None:
+            metrics = await scrape(client)
+            kv = total(metrics, "firstlight_kv_cache_usage_perc")
+            cancelled = total(metrics, "firstlight_request_cancelled_total")
+            done = kv <= total(baseline, "firstlight_kv_cache_usage_perc") and cancelled > total(
+                baseline, "firstlight_request_cancelled_total"
+            )
+            return metrics if done else None
+
+        assert await eventually(settled, timeout=10.0), "KV usage or cancel count did not settle"
+        stats = await replica_stats()
+        assert stats["kv_num_free_blocks"] == free_before
+        assert sum(stats["num_requests_running"].values()) == 0
+
+
+async def test_a_slow_reader_does_not_hold_the_replica(base_url):
+    """A client that reads one chunk and then sleeps past the stall limit.
+
+    The replica never waits for it: deltas cross the hop as they are made, so generation
+    finishes at full speed, the replica's memory stays flat and other clients are served.
+    The answer (a few hundred tokens) waits in the ingress/proxy/socket buffers, so nothing
+    stalls and the reader, once awake, gets it whole. (Serve's ASGI `send` never blocks the
+    app, so an HTTP-level stall cut cannot be seen from the ingress; bare mode has one.)"""
+    rss_before = (await replica_stats())["rss_bytes"]
+    body = chat(stream=True, max_tokens=300, ignore_eos=True)
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        chunks = r.aiter_raw()
+        first = await anext(chunks)
+        started = time.monotonic()
+        quick = await client.post("/v1/chat/completions", json=chat(max_tokens=4))
+        assert quick.status_code == 200 and time.monotonic() - started < 5.0
+
+        async def generation_done() -> bool:
+            return sum((await replica_stats())["num_requests_running"].values()) == 0
+
+        assert await eventually(generation_done, timeout=30.0)
+        await asyncio.sleep(max(0.0, STALL_S * 1.5 - (time.monotonic() - started)))
+        assert (await replica_stats())["rss_bytes"] - rss_before < 64 << 20
+        rest = b"".join([c async for c in chunks])
+    events = parse_sse(first + rest)
+    assert not any("error" in e for e in events)
+    assert sum(bool(e["choices"] and e["choices"][0]["delta"].get("content")) for e in events) > 1
+
+
+async def test_one_scrape_covers_replicas_and_ingress(base_url):
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        response = await client.get("/metrics")
+        assert response.status_code == 200
+        metrics = await scrape(client)
+    replica_id = (await replica_stats())["replica_id"]
+    kv = metrics["firstlight_kv_cache_usage_perc"]
+    assert any(dict(labels).get("replica") == replica_id for labels in kv)
+    assert total(metrics, "firstlight_time_to_first_token_seconds_count") >= 5
+    assert total(metrics, "firstlight_request_success_total") >= 5
+
+
+# -- a replica dying (keep last: it replaces the model replica) ------------------------------
+
+
+async def test_a_dead_replica_errors_the_stream_then_503_then_recovers(base_url):
+    import ray
+
+    old_id = (await replica_stats())["replica_id"]
+    actor = next(
+        a for a in ray.util.list_named_actors(all_namespaces=True) if "ModelReplica" in a["name"]
+    )
+    handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=2000, ignore_eos=True)
+        ) as r:
+            chunks = r.aiter_raw()
+            await anext(chunks)
+            ray.kill(handle, no_restart=True)
+            rest = b"".join([c async for c in chunks])
+        assert b'data: {"error"' in rest and rest.endswith(b"data: [DONE]\n\n")
+
+        # Probe every 0.2 s without waiting for earlier probes: requests routed while the
+        # dead replica is still listed wait in Serve for its replacement, while those sent
+        # once it has left the cluster view are answered 503 at once.
+        probes: list[asyncio.Task] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            probes.append(
+                asyncio.create_task(client.post("/v1/chat/completions", json=chat(max_tokens=2)))
+            )
+            await asyncio.sleep(0.2)
+            done = [p.result().status_code for p in probes if p.done() and not p.exception()]
+            if 503 in done and 200 in done[done.index(503) :]:
+                break
+        statuses = [p.result().status_code for p in probes if p.done() and not p.exception()]
+        for p in probes:
+            p.cancel()
+        assert 503 in statuses, statuses
+        assert 200 in statuses[statuses.index(503) :], statuses  # recovered
+        unavailable = next(
+            p.result()
+            for p in probes
+            if p.done()
+            and not p.cancelled()
+            and not p.exception()
+            and p.result().status_code == 503
+        )
+        assert unavailable.json()["error"]["code"] == "engine_unavailable"
+    assert (await replica_stats())["replica_id"] != old_id
