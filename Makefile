@@ -25,7 +25,8 @@ serve: setup demo
 	@echo "firstlight: serving the demo model at http://127.0.0.1:8000/v1"
 	@echo "try: curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "       -d '{\"model\":\"demo\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"Can I pause my annual subscription?\"}]}'"
-	$(VENV)/bin/serve run serve_config.yaml
+	# Ray nices its workers to 15 by default; model replicas should not yield to everything.
+	RAY_worker_niceness=0 $(VENV)/bin/serve run serve_config.yaml
 
 standalone: setup demo
 	$(PY) -m app.standalone

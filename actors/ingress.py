@@ -36,6 +36,7 @@ from app.metric_snapshot import Snapshot
 from app.metrics import Metrics
 from app.openai_server import build_app
 from app.settings import Settings
+from engine.process import freeze_startup_heap
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("firstlight.ingress")
@@ -72,6 +73,7 @@ class Ingress:
         )
         self._sync_task = asyncio.create_task(self._sync_loop(), name="ingress-sync")
         await self._wait_for_first_view(timeout_s=max(5.0, 10 * interval))
+        freeze_startup_heap()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         config = self.config

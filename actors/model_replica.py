@@ -32,6 +32,7 @@ from actors.messages import ReplicaError, ReplicaInfo
 from actors.runtime import replica_id, rss_bytes
 from actors.settings import AppConfig
 from engine.async_engine import AsyncEngine
+from engine.process import freeze_startup_heap
 from engine.protocol import EngineUnavailableError, QueueFullError
 from engine.request import Request, SamplingParams, TokenDelta
 
@@ -53,6 +54,7 @@ class ModelReplica:
         await self.engine.start()
         await self._warm_request()
         self._reporter = asyncio.create_task(self._report_loop(), name="replica-stats")
+        freeze_startup_heap()
         logger.info("replica %s ready (%s)", self.replica_id, self.config.engine.model)
 
     async def _warm_request(self) -> None:

@@ -40,9 +40,11 @@ def build_standalone(settings: Settings) -> FastAPI:
     """Load the engine (slow: weights) and return the app that owns its lifecycle."""
     from engine.async_engine import AsyncEngine  # heavy (torch); only bare mode needs it
     from engine.config import EngineConfig
+    from engine.process import freeze_startup_heap
 
     engine = AsyncEngine.from_config(
-        EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype)
+        EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype),
+        stall_timeout_s=settings.stall_timeout_s,
     )
     endpoint = ModelEndpoint(
         name=settings.served_model_name or engine.model_name,
@@ -55,6 +57,7 @@ def build_standalone(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        freeze_startup_heap()
         try:
             yield
         finally:

@@ -82,11 +82,13 @@ def serve_bare(port: int, args: dict[str, Any]) -> None:
     from app.openai_server import build_app
     from app.settings import Settings
     from engine.async_engine import AsyncEngine
+    from engine.process import freeze_startup_heap
 
     config = load_config(args)
     engine = AsyncEngine.from_config(
         config.engine.engine_config(), stall_timeout_s=config.engine.stall_timeout_s
     )
+    freeze_startup_heap()
     endpoint = ModelEndpoint(
         name=config.served_model_name,
         tokenizer=engine.tokenizer,
@@ -166,6 +168,9 @@ def start_serve(args: dict[str, Any], port: int, controller: dict | None, temp_d
             return app
 
     os.environ["PYTHONPATH"] = str(ROOT)  # replicas import actors/, app/, engine/
+    # Ray starts workers at nice 15 by default; the bare server runs at 0. Serving processes
+    # should not yield to every other process on the box (`make serve` does the same).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(
         address="local",
         namespace="firstlight-bench-overhead",
