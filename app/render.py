@@ -195,9 +195,11 @@ class CompletionRenderer(Renderer):
     ) -> dict[str, Any]:
         logprobs = None
         if lp:
-            logprobs, state.text_offset = completion_logprobs(
+            logprobs, _ = completion_logprobs(
                 self.token_text, delta.logprobs or (), state.text_offset
             )
+        # Offsets follow the text actually emitted (a special token such as EOS adds none).
+        state.text_offset += len(delta.text)
         return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
 
     def _full_choice(self, index: int, state: ChoiceState) -> dict[str, Any]:
