@@ -37,15 +37,6 @@ from engine.demo.topic import all_topics
 from engine.demo.train import ModelSpec, TokenStream, lr_at, train_model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids OpenMP stalls on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_corpus(n: int = 300, seed: int = 0) -> list[corpus.Conversation]:
     return corpus.build_corpus(seed, n)
 

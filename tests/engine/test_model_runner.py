@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,33 +14,12 @@ from tests.engine.hf_tiny import (
     FAMILIES,
     greedy_with_hf,
     greedy_with_runner,
-    make_hf_model,
     make_runner,
     make_sequence,
     random_prompt,
 )
 
 NEW_TOKENS = 64
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and lose badly on a shared 2-core host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[object, Path]]:
-    out = {}
-    for family in FAMILIES:
-        model = make_hf_model(family)
-        path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
-        out[family] = (model, path)
-    return out
 
 
 @pytest.fixture(scope="module")

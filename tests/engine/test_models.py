@@ -13,30 +13,9 @@ from engine.models.loader import load_model, read_model_info
 from engine.models.spec import ModelSpec
 from kernels.interface import AttentionMetadata
 from kernels.reference import TorchReferenceBackend
-from tests.engine.hf_tiny import FAMILIES, make_hf_model, random_prompt
+from tests.engine.hf_tiny import FAMILIES, random_prompt
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and lose badly on a shared 2-core host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[object, Path]]:
-    """family -> (transformers model, directory it was saved to)."""
-    out = {}
-    for family in FAMILIES:
-        model = make_hf_model(family)
-        path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
-        out[family] = (model, path)
-    return out
 
 
 def prompt_logits(path: Path, prompt: list[int], dtype=torch.float32) -> torch.Tensor:

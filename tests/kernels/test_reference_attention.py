@@ -16,15 +16,6 @@ BLOCK = 16
 GARBAGE = 1e4  # cache contents past each sequence's length: huge but finite
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and lose badly on a shared 2-core host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @dataclass
 class PagedCase:
     q: torch.Tensor  # [T, H, d] packed queries
