@@ -59,6 +59,7 @@ class LLMEngine:
         self.sampler = Sampler(info.vocab_size, self.eos_token_ids, seed=config.seed)
         self.counters = EngineCounters()
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._deadlines: dict[str, float] = {}  # only requests that carry one
 
     # -- requests -------------------------------------------------------------------------
 
@@ -82,6 +83,8 @@ class LLMEngine:
         self.validate(request)
         seq = Sequence.from_request(request)
         self.scheduler.add(seq)
+        if request.deadline is not None:
+            self._deadlines[request.request_id] = request.deadline
         self._detok[request.request_id] = IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,
@@ -105,9 +108,10 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
+        expired = self._expire_deadlines() if self._deadlines else []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return expired
         logits = self.runner.execute(out)
         sampling = [c.seq for c in out.chunks if c.samples]
         results = self.sampler.sample(logits, sampling) if sampling else []
@@ -115,7 +119,16 @@ class LLMEngine:
         self.counters.steps += 1
         self.counters.batched_tokens += out.num_batched_tokens
         now = time.monotonic()
-        return [self._append(seq, r, now) for seq, r in zip(sampling, results, strict=True)]
+        deltas = [self._append(seq, r, now) for seq, r in zip(sampling, results, strict=True)]
+        return expired + deltas if expired else deltas
+
+    def _expire_deadlines(self) -> list[TokenDelta]:
+        """Abort requests whose deadline passed (they end with finish reason "abort")."""
+        now = time.monotonic()
+        late = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
+        for rid in late:
+            del self._deadlines[rid]
+        return [d for rid in late if (d := self.abort(rid)) is not None]
 
     def _append(self, seq: Sequence, result: SampleResult, now: float) -> TokenDelta:
         token = result.token_id
@@ -140,6 +153,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
+        self._deadlines.pop(request_id, None)
         self.sampler.forget(request_id)
 
     @staticmethod

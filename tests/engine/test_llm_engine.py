@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transformers
@@ -159,3 +161,16 @@ def test_bad_requests_are_rejected(engine: LLMEngine) -> None:
     with pytest.raises(ValueError):
         engine.add_request(make_request("temp", [5, 6], SamplingParams(temperature=-1)))
     assert not engine.has_unfinished()
+
+
+def test_requests_past_their_deadline_are_aborted(engine: LLMEngine) -> None:
+    free0 = engine.kv.stats().num_free
+    soon = time.monotonic() + 0.02
+    engine.add_request(make_request("late", prompt_ids(6, 30), greedy(400), deadline=soon))
+    engine.add_request(make_request("ok", prompt_ids(7, 30), greedy(8), deadline=soon + 60))
+    out = run_all(engine)
+    assert out["late"][-1].finish_reason is FinishReason.ABORT
+    assert sum(len(d.token_ids) for d in out["late"]) < 400
+    assert out["ok"][-1].finish_reason is FinishReason.LENGTH
+    assert engine.kv.stats().num_free == free0
+    assert not engine._deadlines
