@@ -254,7 +254,7 @@ class AsyncEngine:
                 rejected.append((request.request_id, exc))
         steps = self.engine.counters.steps
         deltas = self.engine.step()
-        waiting = sum(self.engine.scheduler.stats().waiting.values())
+        waiting = self.engine.scheduler.num_waiting
         return _StepResult(deltas, rejected, waiting, self.engine.counters.steps != steps)
 
     # -- on the event loop -------------------------------------------------------------------

@@ -28,9 +28,7 @@ from engine.tokenizer import load_tokenizer
 @dataclass(slots=True)
 class EngineCounters:
     steps: int = 0
-    batched_tokens: int = 0
     generated_tokens: int = 0
-    finished: int = 0
     aborted: int = 0
 
 
@@ -100,7 +98,7 @@ class LLMEngine:
         self.counters.aborted += 1
         seq.timings.finished = time.monotonic()
         self._forget(request_id)
-        return self._delta(seq, [], "", None)
+        return self._delta(seq, [], "", FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -117,7 +115,6 @@ class LLMEngine:
         results = self.sampler.sample(logits, sampling) if sampling else []
         self.scheduler.update(out)
         self.counters.steps += 1
-        self.counters.batched_tokens += out.num_batched_tokens
         now = time.monotonic()
         deltas = [self._append(seq, r, now) for seq, r in zip(sampling, results, strict=True)]
         return expired + deltas if expired else deltas
@@ -147,7 +144,6 @@ class LLMEngine:
         if reason is not None:
             seq.timings.finished = now
             self.scheduler.finish(seq, reason)
-            self.counters.finished += 1
             self._forget(seq.request_id)
         return self._delta(seq, [token], text, reason, logprobs)
 
@@ -164,8 +160,6 @@ class LLMEngine:
         reason: FinishReason | None,
         logprobs: list | None = None,
     ) -> TokenDelta:
-        if reason is None and seq.is_finished:
-            reason = seq.finish_reason
         return TokenDelta(
             request_id=seq.request_id,
             token_ids=token_ids,
