@@ -2,11 +2,12 @@
 
 One pump task per engine stream moves deltas into a bounded queue; the reader takes
 everything that is ready at once and merges the deltas of each choice into one
-(`coalesce`), so a client slower than the model receives fewer, larger chunks while a fast
-client receives every delta the moment it exists. There is no timer anywhere on this path:
-`next_batch(timeout)` only bounds how long the reader waits when nothing is ready (for SSE
-keepalives). A full queue stops the pumps, which stops pulling from the engine
-(backpressure). `close()` closes every engine iterator, which aborts unfinished requests.
+(`engine.request.merge_deltas`), so a client slower than the model receives fewer, larger
+chunks while a fast client receives every delta the moment it exists. There is no timer
+anywhere on this path: `next_batch(timeout)` only bounds how long the reader waits when
+nothing is ready (for SSE keepalives). A full queue stops the pumps, which stops pulling
+from the engine (backpressure). `close()` closes every engine iterator, which aborts
+unfinished requests.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from app.errors import EngineRequestError
 from engine.protocol import EngineClient
-from engine.request import Request, TokenDelta
+from engine.request import Request, TokenDelta, merge_deltas
 
 QUEUE_SIZE_PER_STREAM = 64
 
@@ -78,32 +79,10 @@ class DeltaFeed:
             by_choice.setdefault(index, []).append(item)
             if item.finish_reason is not None:
                 self._remaining -= 1
-        return [(index, coalesce(deltas)) for index, deltas in by_choice.items()]
+        return [(index, merge_deltas(deltas)) for index, deltas in by_choice.items()]
 
     async def close(self) -> None:
         """Stop all pumps and close their engine iterators (aborting unfinished requests)."""
         for pump in self._pumps:
             pump.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
-
-
-def coalesce(deltas: list[TokenDelta]) -> TokenDelta:
-    """One delta equivalent to `deltas` (consecutive deltas of one request)."""
-    if len(deltas) == 1:
-        return deltas[0]
-    last = deltas[-1]
-    logprobs = None
-    if any(d.logprobs is not None for d in deltas):
-        logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
-    return TokenDelta(
-        request_id=last.request_id,
-        token_ids=[t for d in deltas for t in d.token_ids],
-        text="".join(d.text for d in deltas),
-        finish_reason=last.finish_reason,
-        logprobs=logprobs,
-        num_prompt_tokens=last.num_prompt_tokens,
-        num_output_tokens=last.num_output_tokens,
-        num_cached_tokens=last.num_cached_tokens,
-        timings=last.timings,
-        error=last.error,
-    )

@@ -25,30 +25,11 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.protocol import QueueFullError
-from engine.request import FinishReason, Request, TokenDelta
+from engine.request import Request, TokenDelta, merge_deltas
 
 
 class ReaderStalledError(RuntimeError):
     """The consumer left output unread past the stall limit; the request was aborted."""
-
-
-def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
-    """`a` followed by `b` as one delta (b's counters and finish reason win)."""
-    logprobs = None
-    if a.logprobs is not None or b.logprobs is not None:
-        logprobs = (a.logprobs or []) + (b.logprobs or [])
-    return TokenDelta(
-        request_id=b.request_id,
-        token_ids=a.token_ids + b.token_ids,
-        text=a.text + b.text,
-        finish_reason=b.finish_reason,
-        logprobs=logprobs,
-        num_prompt_tokens=b.num_prompt_tokens,
-        num_output_tokens=b.num_output_tokens,
-        num_cached_tokens=b.num_cached_tokens,
-        timings=b.timings,
-        error=b.error or a.error,
-    )
 
 
 @dataclass(slots=True)
@@ -59,15 +40,13 @@ class _OutputSlot:
     pending: TokenDelta | None = None
     error: BaseException | None = None
     pending_since: float = 0.0
-    num_coalesced: int = 0
 
     def put(self, delta: TokenDelta, now: float) -> None:
         if self.pending is None:
             self.pending = delta
             self.pending_since = now
         else:
-            self.pending = merge_deltas(self.pending, delta)
-            self.num_coalesced += 1
+            self.pending = merge_deltas([self.pending, delta])
         self.event.set()
 
     def fail(self, error: BaseException) -> None:
@@ -284,6 +263,3 @@ class AsyncEngine:
                 self.num_stalled += 1
                 self._submit(abort=rid)
                 slot.fail(ReaderStalledError(f"reader stalled for more than {limit:.0f}s"))
-
-
-__all__ = ["AsyncEngine", "FinishReason", "ReaderStalledError", "merge_deltas"]

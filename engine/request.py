@@ -7,6 +7,7 @@ Everything here is plain data (dataclasses with slots) so it crosses process bou
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -159,3 +160,27 @@ class TokenDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
+    """Consecutive deltas of one request as one: the last one's counters, timings and finish
+    reason; token ids, text and logprobs concatenated. Used wherever a reader lags the
+    producer (the engine's output slot, the HTTP layer's fan-in)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
+    return TokenDelta(
+        request_id=last.request_id,
+        token_ids=[t for d in deltas for t in d.token_ids],
+        text="".join(d.text for d in deltas),
+        finish_reason=last.finish_reason,
+        logprobs=logprobs,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        timings=last.timings,
+        error=next((d.error for d in reversed(deltas) if d.error), None),
+    )
