@@ -2,12 +2,16 @@
 
 What it adds to the app, and nothing else:
 * the endpoint's engine is a `ReplicaClient` over the ModelReplica handle, so every token
-  crosses exactly one actor hop (replica → here) before the app writes it;
+  crosses exactly one actor hop (replica → here) before the app writes it: by default over
+  this ingress's token channel (a `ChannelServer` it starts, see actors/token_channel.py);
 * a background task syncs with the Scheduler every `sync_interval_s`: it pushes this
   ingress's HTTP metrics and gets back the cluster view plus everyone else's metrics. Requests
   read only that local `ClusterCache` (early 503, `/metrics`), never the Scheduler;
 * `/metrics` renders this ingress's fresh metrics merged with the cached rest, so one scrape
-  covers every replica and every ingress.
+  covers every replica and every ingress;
+* a stalled HTTP reader can be cut: Serve's ASGI `send` never blocks (it queues messages for
+  the proxy, which stops taking them while its client does not read), so the outermost layer
+  (`_SendBacklog`) tells the SSE writer how long the oldest queued message has waited.
 
 Startup waits until a ModelReplica answers (and is warm) and, briefly, for the first view
 that lists it, so the first requests are not refused as "no replica".
@@ -19,23 +23,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.cluster import ClusterCache, IngressReport
 from actors.messages import ReplicaInfo
 from actors.replica_client import ReplicaClient
-from actors.runtime import replica_id
+from actors.runtime import node_id, node_ip, replica_id
 from actors.settings import AppConfig
+from actors.token_channel import ChannelServer
 from app.endpoint import ModelEndpoint
 from app.metric_snapshot import Snapshot
 from app.metrics import Metrics
 from app.openai_server import build_app
 from app.settings import Settings
+from app.sse import SEND_BACKLOG_KEY
 from engine.process import freeze_startup_heap
 from engine.tokenizer import load_tokenizer
 
@@ -57,6 +63,15 @@ class Ingress:
             stale_after_s=max(3 * interval, config.scheduler.report_ttl_s),
         )
         self.metrics = Metrics(max_label_values=config.max_label_values)  # HTTP metrics only
+        self.channel: ChannelServer | None = None
+        if config.ingress.token_path == "channel":
+            self.channel = ChannelServer()
+            tcp_host = config.ingress.channel_tcp_host
+            await self.channel.start(
+                ingress_id=self.ingress_id,
+                node_id=node_id(),
+                tcp_host={"auto": node_ip(), "off": None}.get(tcp_host, tcp_host),
+            )
         async with asyncio.timeout(config.ingress.info_timeout_s):
             info: ReplicaInfo = await replicas.info.remote()
         self.endpoint = ModelEndpoint(
@@ -65,6 +80,7 @@ class Ingress:
             max_model_len=info.max_model_len,
             client=ReplicaClient(
                 replicas,
+                channel=self.channel,
                 admit=self.cache.admit,
                 stats=self.cache.stats,
                 transport=config.ingress.handle_options(),
@@ -75,7 +91,7 @@ class Ingress:
         await self._wait_for_first_view(timeout_s=max(5.0, 10 * interval))
         freeze_startup_heap()
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
+    def __serve_build_asgi_app__(self) -> Any:
         config = self.config
         settings = Settings(
             served_model_name=config.served_model_name,
@@ -88,7 +104,7 @@ class Ingress:
         )
         app = build_app([self.endpoint], settings, metrics=self.metrics, extra_metrics=self._others)
         app.add_middleware(_OneRequestIdHeader)
-        return app
+        return _SendBacklog(app)
 
     async def _others(self) -> Iterable[Snapshot]:
         return [self.cache.snapshot.metrics]
@@ -126,6 +142,9 @@ class Ingress:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+        channel = getattr(self, "channel", None)
+        if channel is not None:
+            await channel.stop()
 
 
 class _OneRequestIdHeader:
@@ -148,3 +167,53 @@ class _OneRequestIdHeader:
             await send(message)
 
         await self.app(scope, receive, send_once)
+
+
+class _SendBacklog:
+    """The outermost ASGI layer: times each message the app sends and reads how many are
+    still in Serve's queue to the proxy, so `scope[SEND_BACKLOG_KEY]()` is how long the
+    oldest of those has waited (0 when none). Serve's queue is found in its `send` closure;
+    if a Serve version hides it, the key is absent and no stall is ever reported."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.docs_url = getattr(app, "docs_url", None)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (pending := _serve_send_queue(send)) is not None:
+            tracker = _Backlog(send, pending)
+            scope[SEND_BACKLOG_KEY] = tracker.oldest_wait_s
+            send = tracker.send
+        await self.app(scope, receive, send)
+
+
+def _serve_send_queue(send: Any) -> Callable[[], int] | None:
+    """How many messages Serve's `send` has queued and its proxy not yet taken."""
+    for cell in getattr(send, "__closure__", None) or ():
+        try:
+            queue = getattr(cell.cell_contents, "_message_queue", None)
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(queue, deque):
+            return queue.__len__
+    return None
+
+
+class _Backlog:
+    __slots__ = ("_pending", "_send", "_times")
+
+    def __init__(self, send: Any, pending: Callable[[], int]) -> None:
+        self._send = send
+        self._pending = pending
+        self._times: deque[float] = deque()
+
+    async def send(self, message: Any) -> None:
+        self._times.append(time.monotonic())
+        await self._send(message)
+
+    def oldest_wait_s(self) -> float:
+        times = self._times
+        unsent = self._pending()
+        while len(times) > unsent:  # taken by the proxy: the oldest ones go first
+            times.popleft()
+        return time.monotonic() - times[0] if times else 0.0

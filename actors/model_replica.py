@@ -3,12 +3,14 @@
 What it adds to the engine, and nothing else:
 * readiness: `__init__` loads the weights, starts the engine loop and runs one real one-token
   request, so Serve routes to a new replica (scale-up, replacement) only once it is warm;
-* `generate(request)`: an async generator of `TokenDelta`s as the engine emits them (the first
-  one is yielded the moment it exists; there is no timer on this path). A refusal before the
-  first token, or the engine dying under the request, is yielded as one `ReplicaError`. When
-  the caller goes away (client disconnect → Serve cancels the call → `CancelledError` here),
-  the engine iterator is closed, which aborts the request within one engine step and returns
-  its KV blocks;
+* `stream_to(request, address)` (the token path): the request's deltas go over the token
+  channel to the ingress at `address` (actors/token_channel.py), one frame per engine step
+  for all of that ingress's requests; the call itself returns once the last delta is on the
+  socket, or returns a `ReplicaError` when the engine refuses the request or dies under it.
+  When the caller goes away (client disconnect → Serve cancels the call → `CancelledError`
+  here) the request is aborted within one engine step and its KV blocks return;
+* `generate(request)`: the same over a Serve stream (one item per delta; the first one is
+  yielded the moment it exists), for `ingress.token_path: stream`;
 * `check_health` fails once the engine loop has died, so Serve replaces the replica;
 * stats: pushed to the Scheduler every `stats_interval_s` from a background task (never
   awaited by a request), served by `stats()`, and published to Serve's router through
@@ -29,8 +31,9 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.cluster import ReplicaReport
 from actors.messages import ReplicaError, ReplicaInfo
-from actors.runtime import replica_id, rss_bytes
+from actors.runtime import node_id, replica_id, rss_bytes
 from actors.settings import AppConfig
+from actors.token_channel import ChannelAddress, ChannelPool
 from engine.async_engine import AsyncEngine
 from engine.process import freeze_startup_heap
 from engine.protocol import EngineUnavailableError, QueueFullError
@@ -45,6 +48,7 @@ class ModelReplica:
         self.config = config
         self.scheduler = scheduler
         self.replica_id = replica_id()
+        self.channels = ChannelPool(node_id())
         self.engine = await asyncio.to_thread(
             AsyncEngine.from_config,
             config.engine.engine_config(),
@@ -65,6 +69,30 @@ class ModelReplica:
             pass
 
     # -- the token path ------------------------------------------------------------------
+
+    async def stream_to(self, request: Request, address: ChannelAddress) -> ReplicaError | None:
+        if not self.engine.is_healthy:
+            return ReplicaError.from_exception(EngineUnavailableError("the engine is not running"))
+        conn = await self.channels.connection(address)
+        rid = request.request_id
+        slot = conn.open(rid)
+        try:
+            self.engine.attach(request, slot)
+        except (ValueError, QueueFullError) as exc:  # refused before the first token
+            conn.close_slot(rid)
+            return ReplicaError.from_exception(exc)
+        finished = False
+        try:
+            await slot.done
+            finished = True
+            return None
+        except Exception as exc:
+            if self.engine.is_healthy:
+                raise  # the channel broke (the ingress is gone) or its reader stalled
+            return ReplicaError.from_exception(EngineUnavailableError(str(exc)))  # engine died
+        finally:
+            self.engine.detach(rid, abort=not finished)
+            conn.close_slot(rid)
 
     async def generate(self, request: Request) -> AsyncIterator[TokenDelta | ReplicaError]:
         if not self.engine.is_healthy:
@@ -141,6 +169,9 @@ class ModelReplica:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
                     await self.scheduler.remove_replica.remote(self.replica_id)
+        channels = getattr(self, "channels", None)
+        if channels is not None:
+            channels.close()
         engine = getattr(self, "engine", None)  # absent when __init__ failed early
         if engine is not None:
             await engine.shutdown()

@@ -3,8 +3,14 @@
 The app (app/) sees the same contract as in bare mode: `generate(request)` is an async
 iterator of `TokenDelta`s that raises `ValueError` (400), `QueueFullError` (429) or
 `EngineUnavailableError` (503) before the first delta, and closing it early aborts the
-request. Each delta crosses exactly one actor hop (replica → this process); this object adds
-no queue, timer or extra task on that path (the app's own feed does any coalescing).
+request. Each delta crosses exactly one actor hop (replica → this process), by one of two
+paths:
+* with a `ChannelServer` (`ingress.token_path: channel`, the default): the request is one
+  unary Serve call (`ModelReplica.stream_to`) and its deltas arrive on the token channel
+  (actors/token_channel.py) in the request's inbox, which merges them while this side lags.
+  The call's outcome ends the stream on failure; when it succeeds, the last delta is already
+  on the socket and must arrive within `final_delta_grace_s`;
+* without one (`stream`): each delta is an item of a Serve streaming call (`generate`).
 
 Translation of what can go wrong across the hop:
 * a `ReplicaError` item (the replica refused the request) → the exception it names;
@@ -20,7 +26,9 @@ local cluster-view cache (never a remote call).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,6 +41,7 @@ from ray.serve.exceptions import (
 from ray.serve.handle import DeploymentHandle
 
 from actors.messages import ReplicaError
+from actors.token_channel import ChannelServer, TokenInbox
 from engine.protocol import EngineUnavailableError, QueueFullError
 from engine.request import Request, TokenDelta
 
@@ -49,16 +58,68 @@ class ReplicaClient:
         self,
         handle: DeploymentHandle,
         *,
+        channel: ChannelServer | None = None,
         admit: Callable[[Request], None] | None = None,
         stats: Callable[[], dict[str, Any]] | None = None,
         transport: dict[str, Any] | None = None,
+        final_delta_grace_s: float = 10.0,
     ) -> None:
         self._stream = handle.options(stream=True, **(transport or {}))
+        self._unary = handle.options(**(transport or {})) if channel is not None else None
+        self._channel = channel
         self._admit = admit
         self._stats = stats
-        self._inflight: dict[str, Any] = {}  # request id → DeploymentResponseGenerator
+        self._grace_s = final_delta_grace_s
+        self._inflight: dict[str, Any] = {}  # request id → the Serve call's response
 
-    async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
+        if self._channel is not None:
+            return self._via_channel(request, self._channel)
+        return self._via_stream(request)
+
+    async def _via_channel(
+        self, request: Request, channel: ChannelServer
+    ) -> AsyncIterator[TokenDelta]:
+        if self._admit is not None:
+            self._admit(request)
+        rid = request.request_id
+        inbox = channel.open(rid)
+        assert self._unary is not None and channel.address is not None
+        response = self._unary.stream_to.remote(request, channel.address)
+        self._inflight[rid] = response
+        call = asyncio.ensure_future(_outcome(response))
+        call.add_done_callback(functools.partial(self._call_done, inbox, rid))
+        finished = False
+        try:
+            while True:
+                delta = await inbox.get()
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    return
+        finally:
+            self._inflight.pop(rid, None)
+            channel.close(rid)
+            if not finished and not call.done():
+                # The replica sees CancelledError and aborts the request. Serve's cancel()
+                # re-raises a failed assignment's error (e.g. BackPressureError): not ours.
+                with contextlib.suppress(Exception):
+                    response.cancel()
+
+    def _call_done(self, inbox: TokenInbox, rid: str, call: asyncio.Future[Any]) -> None:
+        if call.cancelled() or inbox.closed:
+            return
+        error = call.exception()
+        if error is not None:
+            inbox.fail(error)
+        elif isinstance(result := call.result(), ReplicaError):
+            inbox.fail(result.exception())
+        else:  # done: the last delta is on its way over the channel
+            inbox.fail_later(
+                self._grace_s, RuntimeError(f"replica finished {rid} but its last delta never came")
+            )
+
+    async def _via_stream(self, request: Request) -> AsyncIterator[TokenDelta]:
         if self._admit is not None:
             self._admit(request)
         response = self._stream.generate.remote(request)
@@ -75,20 +136,11 @@ class ReplicaClient:
                 if finished:
                     return
             raise RuntimeError(f"replica stream of {rid} ended before its last delta")
-        except BackPressureError as exc:
-            raise QueueFullError(str(exc), retry_after_s=exc.retry_after_s or 1.0) from None
-        except _UNAVAILABLE as exc:
-            raise EngineUnavailableError(f"model replica unavailable: {exc}") from None
-        except RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, _UNAVAILABLE):
-                raise EngineUnavailableError(f"model replica unavailable: {cause}") from None
-            raise RuntimeError(f"model replica failed: {cause!r}") from None
+        except Exception as exc:
+            raise _translate(exc) from None
         finally:
             self._inflight.pop(rid, None)
             if not finished:
-                # The replica sees CancelledError and aborts the request. Serve's cancel()
-                # re-raises a failed assignment's error (e.g. BackPressureError): not ours.
                 with contextlib.suppress(Exception):
                     response.cancel()
 
@@ -101,3 +153,25 @@ class ReplicaClient:
     def stats(self) -> dict[str, Any]:
         """Replica stats summed from the ingress's cached cluster view (may be ~1 s old)."""
         return self._stats() if self._stats is not None else {}
+
+
+async def _outcome(response: Any) -> Any:
+    """The result of a unary replica call, with Serve and Ray failures translated."""
+    try:
+        return await response
+    except Exception as exc:
+        raise _translate(exc) from None
+
+
+def _translate(exc: Exception) -> Exception:
+    """Serve / Ray failures of a replica call as the engine's own exceptions."""
+    if isinstance(exc, BackPressureError):
+        return QueueFullError(str(exc), retry_after_s=exc.retry_after_s or 1.0)
+    if isinstance(exc, _UNAVAILABLE):
+        return EngineUnavailableError(f"model replica unavailable: {exc}")
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause
+        if isinstance(cause, _UNAVAILABLE):
+            return EngineUnavailableError(f"model replica unavailable: {cause}")
+        return RuntimeError(f"model replica failed: {cause!r}")
+    return exc

@@ -16,6 +16,24 @@ def replica_id() -> str:
         return uuid.uuid4().hex[:8]
 
 
+def node_id() -> str:
+    """The Ray node this process runs on (a random id outside Ray, e.g. in unit tests)."""
+    import ray
+
+    if not ray.is_initialized():  # asking the runtime context would start a local Ray
+        return uuid.uuid4().hex
+    return ray.get_runtime_context().get_node_id()
+
+
+def node_ip() -> str:
+    """The address other Ray nodes reach this node at ("127.0.0.1" outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
+
+
 def rss_bytes() -> int:
     """Resident memory of this process (0 where /proc is missing)."""
     try:

@@ -106,11 +106,20 @@ class ReplicaSettings(BaseModel):
 
 
 class IngressSettings(BaseModel):
-    """`transport` is how deltas cross the replica → ingress hop: "grpc" (Serve's direct
-    gRPC channel between replicas, plain pickle) or "actor" (Ray actor-call streaming)."""
+    """How deltas cross the replica → ingress hop.
+
+    `token_path`: "channel" (default) sends them over the token channel, one frame per engine
+    step for all of an ingress's requests (actors/token_channel.py), with each request still
+    one Serve call; "stream" makes each delta an item of a Serve streaming call.
+    `channel_tcp_host`: where the ingress also listens for replicas on other nodes ("auto":
+    the node's Ray address; "off": Unix socket only, single-node clusters).
+    `transport`: how Serve carries the calls themselves: "grpc" (Serve's direct gRPC channel
+    between replicas, plain pickle) or "actor" (Ray actor calls)."""
 
     model_config = _SECTION
 
+    token_path: Literal["channel", "stream"] = "channel"
+    channel_tcp_host: str = "auto"
     transport: Literal["grpc", "actor"] = "grpc"
     num_cpus: float = Field(0.5, ge=0)
     num_replicas: int = Field(1, ge=1)

@@ -9,6 +9,12 @@ one `data: {"error": {...}}` event followed by `[DONE]`.
 `SSEResponse` watches for the client leaving: on disconnect (or a reader stalled past
 `stall_timeout_s`) the source is closed, which closes the engine iterators and so aborts the
 requests. Each frame is sent the moment the source yields it: no buffering, no timers.
+
+A stalled reader is seen in one of two ways. Under a server whose `send` blocks while the
+client is not reading (uvicorn), a `send` that takes longer than the limit. Under one whose
+`send` never blocks (Ray Serve queues the messages for its proxy), the server puts a
+callable at `scope[SEND_BACKLOG_KEY]` that returns how long the oldest message not yet taken
+from that queue has waited (`actors/ingress.py`), checked after every frame.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 from starlette.responses import Response
@@ -37,6 +43,7 @@ KEEPALIVE_FRAME = b": keepalive\n\n"
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 Event = dict[str, Any] | None  # None: "idle for a while" → keepalive comment
+SEND_BACKLOG_KEY = "firstlight.send_backlog_s"  # scope key: () -> seconds (see above)
 
 
 def data_frame(event: Mapping[str, Any]) -> bytes:
@@ -63,9 +70,11 @@ class SSEResponse(Response):
         self.background = None
         self.stall_timeout_s = stall_timeout_s
         self.request_id = request_id
+        self._backlog_s: Callable[[], float] | None = None
         self.init_headers({**SSE_HEADERS, **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._backlog_s = scope.get(SEND_BACKLOG_KEY)
         try:
             await until_disconnected(self._write(send), receive)
         except (ClientDisconnected, OSError):  # uvicorn's ClientDisconnected is an OSError
@@ -85,6 +94,8 @@ class SSEResponse(Response):
                 await send(message)
         except TimeoutError:
             raise SlowReader from None
+        if self._backlog_s is not None and self._backlog_s() > self.stall_timeout_s:
+            raise SlowReader
 
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})

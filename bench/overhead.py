@@ -60,8 +60,11 @@ def serve_config() -> dict[str, Any]:
 
 
 def app_args() -> dict[str, Any]:
-    """The `args` of the firstlight application in serve_config.yaml."""
-    return dict(serve_config()["applications"][0].get("args") or {})
+    """The `args` of the firstlight application in serve_config.yaml (with the token
+    channel's TCP listener, used only by replicas on other nodes, kept on loopback)."""
+    args = dict(serve_config()["applications"][0].get("args") or {})
+    args["ingress"] = {**args.get("ingress", {}), "channel_tcp_host": "127.0.0.1"}
+    return args
 
 
 def percentile(values: list[float], q: float) -> float:

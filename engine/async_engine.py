@@ -19,7 +19,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
@@ -32,14 +32,19 @@ class ReaderStalledError(RuntimeError):
     """The consumer left output unread past the stall limit; the request was aborted."""
 
 
-@dataclass(slots=True)
-class _OutputSlot:
-    """One request's pending output: at most one (merged) delta or an error."""
+class OutputSlot:
+    """One request's pending output, where the engine puts it (on the event loop): at most
+    one (merged) delta, or an error. `pending_since` (when the oldest unread delta arrived)
+    lets the engine cut a stalled reader. `AsyncEngine.generate` reads it with `get`; other
+    readers (the replica's token channel) subclass it."""
 
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    pending: TokenDelta | None = None
-    error: BaseException | None = None
-    pending_since: float = 0.0
+    __slots__ = ("error", "event", "pending", "pending_since")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.pending: TokenDelta | None = None
+        self.pending_since = 0.0
+        self.error: BaseException | None = None
 
     def put(self, delta: TokenDelta, now: float) -> None:
         if self.pending is None:
@@ -50,10 +55,12 @@ class _OutputSlot:
         self.event.set()
 
     def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.event.set()
+        if self.error is None:
+            self.error = error
+            self.event.set()
 
     async def get(self) -> TokenDelta:
+        """The next (merged) delta; raises the error once every delta before it was read."""
         while self.pending is None and self.error is None:
             self.event.clear()
             await self.event.wait()
@@ -76,7 +83,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, stall_timeout_s: float = 30.0):
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
-        self._slots: dict[str, _OutputSlot] = {}
+        self._slots: dict[str, OutputSlot] = {}
         # Inputs for the engine thread, guarded by _cond's lock.
         self._cond = threading.Condition()
         self._adds: list[Request] = []
@@ -143,18 +150,10 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
         """Stream deltas for `request`. Raises ValueError / QueueFullError before the first."""
-        if self._failure is not None:
-            raise RuntimeError(f"engine loop failed: {self._failure!r}")
         if self._thread is None:
             await self.start()
-        self.engine.validate(request)
-        rid = request.request_id
-        if rid in self._slots:
-            raise ValueError("request_id", f"request id {rid!r} is already running")
-        if self._num_waiting + len(self._adds) >= self.engine.config.scheduler.max_waiting:
-            raise QueueFullError(retry_after_s=self._retry_after_s())
-        slot = self._slots[rid] = _OutputSlot()
-        self._submit(add=request)
+        slot = OutputSlot()
+        self.attach(request, slot)
         finished = False
         try:
             while True:
@@ -164,10 +163,31 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._slots.pop(rid, None)
-            if not finished:
-                self.num_cancelled += 1
-                self._submit(abort=rid)
+            self.detach(request.request_id, abort=not finished)
+
+    def attach(self, request: Request, slot: OutputSlot) -> None:
+        """Queue `request` with its output going to `slot` (the lower-level `generate`).
+        Raises ValueError / QueueFullError / RuntimeError (engine not running) at once.
+        Every attached request must be `detach`ed once its output is done with."""
+        if self._failure is not None:
+            raise RuntimeError(f"engine loop failed: {self._failure!r}")
+        if self._thread is None:
+            raise RuntimeError("the engine loop is not started")
+        self.engine.validate(request)
+        rid = request.request_id
+        if rid in self._slots:
+            raise ValueError("request_id", f"request id {rid!r} is already running")
+        if self._num_waiting + len(self._adds) >= self.engine.config.scheduler.max_waiting:
+            raise QueueFullError(retry_after_s=self._retry_after_s())
+        self._slots[rid] = slot
+        self._submit(add=request)
+
+    def detach(self, request_id: str, *, abort: bool) -> None:
+        """Forget the request's slot; `abort` (its reader left early) also aborts the request
+        within one engine step, returning its KV blocks."""
+        if self._slots.pop(request_id, None) is not None and abort:
+            self.num_cancelled += 1
+            self._submit(abort=request_id)
 
     async def abort(self, request_id: str) -> None:
         self._submit(abort=request_id)

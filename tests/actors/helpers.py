@@ -27,4 +27,7 @@ def small_config(**sections: Any) -> AppConfig:
         "max_num_batched_tokens": 256,
         **sections.pop("engine", {}),
     }
-    return AppConfig(engine=engine, **sections)
+    # single node: replicas reach the ingress's token channel over its Unix socket; its TCP
+    # listener (for other nodes) stays on loopback in tests
+    ingress = {"channel_tcp_host": "127.0.0.1", **sections.pop("ingress", {})}
+    return AppConfig(engine=engine, ingress=ingress, **sections)

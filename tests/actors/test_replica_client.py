@@ -173,3 +173,125 @@ async def test_admission_refuses_before_anything_is_sent():
         await drain(client)
     assert handle.sent == []
     assert client.stats() == {"num_replicas": 2}
+
+
+# -- the token-channel path (a real ChannelServer and replica-side pool over a Unix socket) --
+
+
+class ChannelCall:
+    """Stands in for the unary `stream_to` call: plays the replica over a real channel
+    connection (sends `deltas`, one per step), then returns `result` or raises `error`; or
+    waits until cancelled when `hang`."""
+
+    def __init__(self, pool, address, deltas, result=None, error=None, hang=False):
+        self.pool, self.address = pool, address
+        self.deltas, self.result, self.error, self.hang = deltas, result, error, hang
+        self.cancelled = False
+        self._task: asyncio.Task | None = None
+
+    def __await__(self):
+        self._task = asyncio.ensure_future(self._run())
+        return self._task.__await__()
+
+    async def _run(self):
+        conn = await self.pool.connection(self.address)
+        slot = conn.open("r1")
+        try:
+            for d in self.deltas:
+                slot.put(d, now=0.0)
+                await asyncio.sleep(0.001)
+            if self.hang:
+                await asyncio.Event().wait()
+            if self.deltas and self.deltas[-1].finished:
+                await slot.done
+            if self.error is not None:
+                raise self.error
+            return self.result
+        finally:
+            conn.close_slot("r1")  # as ModelReplica.stream_to does
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._task is not None:
+            self._task.cancel()
+
+
+class ChannelHandle:
+    def __init__(self, make_call) -> None:
+        self.make_call = make_call
+        self.calls: list[ChannelCall] = []
+
+    def options(self, **kwargs: Any) -> ChannelHandle:
+        return self
+
+    @property
+    def stream_to(self) -> ChannelHandle:
+        return self
+
+    def remote(self, request: Request, address) -> ChannelCall:
+        call = self.make_call(address)
+        self.calls.append(call)
+        return call
+
+
+@pytest.fixture
+async def channel():
+    from actors.token_channel import ChannelPool, ChannelServer
+
+    server = ChannelServer()
+    await server.start(ingress_id="ing", node_id="n", tcp_host=None)
+    pool = ChannelPool("n")
+    yield server, pool
+    pool.close()
+    await server.stop()
+
+
+async def test_channel_deltas_arrive_and_a_finished_call_is_not_cancelled(channel):
+    server, pool = channel
+    deltas = [delta(1), delta(2), delta(3, FinishReason.STOP)]
+    handle = ChannelHandle(lambda address: ChannelCall(pool, address, deltas))
+    client = ReplicaClient(handle, channel=server)
+    got = await drain(client)
+    assert "".join(d.text for d in got) == "t1t2t3"
+    assert got[-1].finish_reason is FinishReason.STOP
+    assert not handle.calls[0].cancelled
+    assert server._inboxes == {}
+
+
+async def test_channel_refusals_and_failures_become_the_engines_exceptions(channel):
+    server, pool = channel
+    refusal = ReplicaError(ErrorKind.QUEUE_FULL, "full", retry_after_s=4.0)
+    client = ReplicaClient(
+        ChannelHandle(lambda a: ChannelCall(pool, a, [], result=refusal)), channel=server
+    )
+    with pytest.raises(QueueFullError) as info:
+        await drain(client)
+    assert info.value.retry_after_s == 4.0
+
+    died = RayTaskError("stream_to", "traceback", ActorDiedError())
+    client = ReplicaClient(
+        ChannelHandle(lambda a: ChannelCall(pool, a, [delta(1)], error=died)), channel=server
+    )
+    stream = client.generate(REQUEST)
+    assert (await anext(stream)).text == "t1"  # what arrived before the failure is delivered
+    with pytest.raises(EngineUnavailableError):
+        await anext(stream)
+
+
+async def test_channel_call_done_without_its_last_delta_is_an_error(channel):
+    server, pool = channel
+    handle = ChannelHandle(lambda a: ChannelCall(pool, a, [delta(1)], result=None))
+    client = ReplicaClient(handle, channel=server, final_delta_grace_s=0.05)
+    with pytest.raises(RuntimeError, match="last delta never came"):
+        await drain(client)
+
+
+async def test_channel_closing_early_cancels_the_replica_call(channel):
+    server, pool = channel
+    handle = ChannelHandle(lambda a: ChannelCall(pool, a, [delta(1)], hang=True))
+    client = ReplicaClient(handle, channel=server)
+    stream = client.generate(REQUEST)
+    assert (await anext(stream)).text == "t1"
+    await stream.aclose()
+    assert handle.calls[0].cancelled
+    assert server._inboxes == {}

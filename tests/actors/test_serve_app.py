@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -34,9 +35,9 @@ STALL_S = 2.0  # engine stall limit in this module's config
 TTL_S = 0.8  # a replica silent this long leaves the cluster view
 
 
-def config() -> Any:
+def config(token_path: str) -> Any:
     return small_config(
-        engine={"stall_timeout_s": STALL_S},
+        engine={"stall_timeout_s": STALL_S, "kv_cache_bytes": 32 << 20},
         max_body_bytes=64 * 1024,
         stall_timeout_s=STALL_S,
         replica={
@@ -45,7 +46,7 @@ def config() -> Any:
             "stats_interval_s": 0.2,
             "health_check_period_s": 1.0,
         },
-        ingress={"sync_interval_s": 0.2},
+        ingress={"sync_interval_s": 0.2, "token_path": token_path},
         scheduler={"report_ttl_s": TTL_S},
     )
 
@@ -56,8 +57,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
+@pytest.fixture(scope="module", params=["channel", "stream"])
+def base_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The app on real Ray Serve, once per token path (replica → ingress hop)."""
     require_demo_model()
     import ray
     from ray import serve
@@ -79,7 +81,7 @@ def base_url() -> Iterator[str]:
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller)
-        serve.run(application(config()), name="firstlight", route_prefix="/")
+        serve.run(application(config(request.param)), name="firstlight", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(Exception):
@@ -318,9 +320,8 @@ async def test_a_slow_reader_does_not_hold_the_replica(base_url):
 
     The replica never waits for it: deltas cross the hop as they are made, so generation
     finishes at full speed, the replica's memory stays flat and other clients are served.
-    The answer (a few hundred tokens) waits in the ingress/proxy/socket buffers, so nothing
-    stalls and the reader, once awake, gets it whole. (Serve's ASGI `send` never blocks the
-    app, so an HTTP-level stall cut cannot be seen from the ingress; bare mode has one.)"""
+    The answer (a few hundred tokens) fits in the proxy's and the sockets' buffers, so the
+    reader, once awake, gets it whole."""
     rss_before = (await replica_stats())["rss_bytes"]
     body = chat(stream=True, max_tokens=300, ignore_eos=True)
     async with (
@@ -343,6 +344,49 @@ async def test_a_slow_reader_does_not_hold_the_replica(base_url):
     events = parse_sse(first + rest)
     assert not any("error" in e for e in events)
     assert sum(bool(e["choices"] and e["choices"][0]["delta"].get("content")) for e in events) > 1
+
+
+async def test_a_stalled_reader_is_cut_and_its_requests_aborted(base_url):
+    """A client that reads the headers and then nothing, with a tiny receive window, while
+    its 4 choices stream long answers with 20 top logprobs per token (~10 MB in all).
+
+    Once the socket and the proxy's buffers are full, the proxy stops taking the ingress's
+    messages; when the oldest has waited past the stall limit the ingress cuts the stream and
+    every choice is aborted in the replica long before its max_tokens."""
+    stats = await replica_stats()
+    cancelled_before, generated_before = stats["num_cancelled"], stats["generation_tokens"]
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        metrics_before = total(await scrape(client), "firstlight_request_cancelled_total")
+    body = chat(stream=True, n=4, max_tokens=1900, ignore_eos=True, logprobs=True, top_logprobs=20)
+    payload = json.dumps(body).encode()
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        # ... and read nothing more.
+
+        async def all_aborted() -> bool:
+            stats = await replica_stats()
+            running = sum(stats["num_requests_running"].values())
+            return running == 0 and stats["num_cancelled"] - cancelled_before >= 4
+
+        assert await eventually(all_aborted, timeout=60.0, every=0.25)
+        generated = (await replica_stats())["generation_tokens"] - generated_before
+        assert generated < 4 * 1900  # cut (~5,300 here), not finished
+        async with httpx.AsyncClient(base_url=base_url) as client:
+            metrics = await scrape(client)
+        assert total(metrics, "firstlight_request_cancelled_total") > metrics_before
+    finally:
+        writer.close()
 
 
 async def test_one_scrape_covers_replicas_and_ingress(base_url):

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from app.errors import APIError
-from app.sse import DONE_FRAME, KEEPALIVE_FRAME, SSEResponse, data_frame
+from app.sse import DONE_FRAME, KEEPALIVE_FRAME, SEND_BACKLOG_KEY, SSEResponse, data_frame
 
 
 class Recorder:
@@ -107,3 +107,48 @@ async def test_disconnect_or_stalled_reader_closes_the_source(stalled):
     await asyncio.wait_for(task, 2)
     assert closed.is_set()
     assert DONE_FRAME not in recorder.body
+
+
+async def test_a_server_reported_backlog_past_the_limit_cuts_the_stream():
+    """Under Ray Serve `send` never blocks; the server reports how long its oldest queued
+    message has waited (scope[SEND_BACKLOG_KEY]) and the writer cuts past the limit."""
+    closed = asyncio.Event()
+    backlog = [0.0]
+
+    async def events():
+        try:
+            for n in range(100):
+                yield {"n": n}
+                await asyncio.sleep(0)
+        finally:
+            closed.set()
+
+    def report() -> None:
+        backlog[0] = 0.0 if len(recorder.messages) < 5 else 1.0  # the proxy stopped taking
+
+    recorder = Recorder()
+    original = recorder.send
+
+    async def send(message: dict) -> None:
+        await original(message)
+        report()
+
+    scope = {"type": "http", SEND_BACKLOG_KEY: lambda: backlog[0]}
+    response = SSEResponse(events(), stall_timeout_s=0.5)
+    await asyncio.wait_for(response(scope, recorder.receive, send), 2)
+    assert closed.is_set()
+    assert len(recorder.messages) == 5  # start + 4 frames; the 4th one saw the backlog
+    assert DONE_FRAME not in recorder.body
+
+    # below the limit nothing is cut
+    backlog[0] = 0.2
+    recorder = Recorder()
+    scope = {"type": "http", SEND_BACKLOG_KEY: lambda: backlog[0]}
+    await asyncio.wait_for(
+        run_scope(SSEResponse(events(), stall_timeout_s=0.5), scope, recorder), 2
+    )
+    assert recorder.body.endswith(DONE_FRAME)
+
+
+async def run_scope(response: SSEResponse, scope: dict, recorder: Recorder) -> None:
+    await response(scope, recorder.receive, recorder.send)
