@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.firstlight-setup
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo serve standalone test test-fast lint bench bench-engine bench-overhead clean
+.PHONY: setup demo serve standalone test test-fast lint bench bench-engine bench-overhead bench-routing clean
 
 setup: $(STAMP)
 
@@ -42,13 +42,16 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-bench: bench-engine bench-overhead
+bench: bench-engine bench-overhead bench-routing
 
 bench-engine: setup demo
 	$(PY) bench/engine.py
 
 bench-overhead: setup demo
 	$(PY) bench/overhead.py
+
+bench-routing: setup demo
+	$(PY) bench/routing.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

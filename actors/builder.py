@@ -8,7 +8,9 @@
 `build_app(args)` validates `args` (plus `FIRSTLIGHT_*` environment overrides) as an
 `AppConfig`, checks that every named policy is registered, and wires three deployments:
 
-    Ingress ──stream──▶ ModelReplica ×[min, max] (autoscaled) ──stats──▶ Scheduler (×1)
+    Ingress ──calls──▶ ModelReplica ×[min, max] (autoscaled) ──stats──▶ Scheduler (×1)
+       ▲  (routed by policies.routing)   │
+       └──────── token channel ──────────┘
        └──────────── sync (metrics out, cluster view back) ─────────────────┘
 
 Bad configuration fails here, at `serve run`, with a message naming the field.
@@ -20,15 +22,16 @@ from typing import Any
 
 from pydantic import ValidationError
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
-import policies.request_class  # noqa: F401  (registers the request-class policies)
 from actors.ingress import Ingress
 from actors.model_replica import ModelReplica
 from actors.scheduler import Scheduler
 from actors.settings import AppConfig
 from engine.demo.paths import ModelNotFoundError, resolve_model
-from policies.base import lookup
+from policies.base import create, lookup
 from policies.request_class import RequestClassPolicy
+from policies.routing import ReplicaRoutingPolicy
 
 _BACKPRESSURE = {"status_code": 429, "retry_after_s": 1}
 _QUIET = {"enable_access_log": False}  # internal hops; the ingress's access log has each request
@@ -43,11 +46,29 @@ def load_config(args: dict[str, Any] | None = None) -> AppConfig:
         config = AppConfig(**(args or {}))
     except ValidationError as exc:
         raise ConfigError(f"invalid firstlight application args:\n{exc}") from None
+    policies = config.policies
     try:
-        lookup(RequestClassPolicy, config.policies.request_class)
-    except ValueError as exc:
-        raise ConfigError(f"invalid firstlight application args: policies.{exc}") from None
+        lookup(RequestClassPolicy, policies.request_class)
+        create(ReplicaRoutingPolicy, policies.routing, **_routing_options(config))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid firstlight application args: policies: {exc}") from None
     return config
+
+
+def _routing_options(config: AppConfig) -> dict[str, Any]:
+    options = dict(config.policies.routing_options)
+    if config.policies.routing == "prefix_affinity":
+        options.setdefault("block_size", config.engine.engine_config().cache.block_size)
+    return options
+
+
+def request_router(config: AppConfig) -> RequestRouterConfig:
+    """ModelReplica's request router: the configured `policies.routing` policy, run by
+    `policies.serve_router.PolicyRequestRouter` in each ingress."""
+    return RequestRouterConfig(
+        request_router_class="policies.serve_router.PolicyRequestRouter",
+        request_router_kwargs={"policy": config.policies.routing, **_routing_options(config)},
+    )
 
 
 def application(config: AppConfig) -> Application:
@@ -64,6 +85,7 @@ def application(config: AppConfig) -> Application:
         health_check_period_s=replica.health_check_period_s,
         health_check_timeout_s=replica.health_check_timeout_s,
         graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
+        request_router_config=request_router(config),
         ray_actor_options={"num_cpus": replica.num_cpus},
         logging_config=_QUIET,
     ).bind(config, scheduler)

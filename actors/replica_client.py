@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import (
     BackPressureError,
     DeploymentUnavailableError,
@@ -85,7 +88,8 @@ class ReplicaClient:
         rid = request.request_id
         inbox = channel.open(rid)
         assert self._unary is not None and channel.address is not None
-        response = self._unary.stream_to.remote(request, channel.address)
+        with _own_serve_request_id():
+            response = self._unary.stream_to.remote(request, channel.address)
         self._inflight[rid] = response
         call = asyncio.ensure_future(_outcome(response))
         call.add_done_callback(functools.partial(self._call_done, inbox, rid))
@@ -122,7 +126,8 @@ class ReplicaClient:
     async def _via_stream(self, request: Request) -> AsyncIterator[TokenDelta]:
         if self._admit is not None:
             self._admit(request)
-        response = self._stream.generate.remote(request)
+        with _own_serve_request_id():
+            response = self._stream.generate.remote(request)
         rid = request.request_id
         self._inflight[rid] = response
         finished = False
@@ -153,6 +158,27 @@ class ReplicaClient:
     def stats(self) -> dict[str, Any]:
         """Replica stats summed from the ingress's cached cluster view (may be ~1 s old)."""
         return self._stats() if self._stats is not None else {}
+
+
+@contextlib.contextmanager
+def _own_serve_request_id() -> Any:
+    """Give the replica call made inside this block its own Serve-internal request id.
+
+    Serve stamps every call made while serving one HTTP request with that request's internal
+    id, and its request router keeps pending calls in a dict keyed by it: when one HTTP
+    request fans out (n > 1 choices), only the first pending call is indexed and, with any
+    router but Serve's FIFO default, the others are never handed their replica (they hang).
+    """
+    var = getattr(serve_context, "_serve_request_context", None)
+    current = var.get() if var is not None else None
+    if current is None or not dataclasses.is_dataclass(current):
+        yield
+        return
+    token = var.set(dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    try:
+        yield
+    finally:
+        var.reset(token)
 
 
 async def _outcome(response: Any) -> Any:

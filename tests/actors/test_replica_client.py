@@ -295,3 +295,25 @@ async def test_channel_closing_early_cancels_the_replica_call(channel):
     await stream.aclose()
     assert handle.calls[0].cancelled
     assert server._inboxes == {}
+
+
+def test_each_replica_call_gets_its_own_serve_internal_request_id():
+    """Serve's router indexes pending calls by the internal id every call of one HTTP
+    request inherits; n > 1 choices must not share it (the second would never be routed)."""
+    from ray.serve import context
+
+    from actors.replica_client import _own_serve_request_id
+
+    parent = context._RequestContext(request_id="http-1", _internal_request_id="parent")
+    token = context._serve_request_context.set(parent)
+    try:
+        seen = []
+        for _ in range(2):
+            with _own_serve_request_id():
+                seen.append(context._get_serve_request_context())
+        assert all(c.request_id == "http-1" for c in seen)  # the user-visible id stays
+        ids = {c._internal_request_id for c in seen}
+        assert len(ids) == 2 and "parent" not in ids
+        assert context._get_serve_request_context() is parent  # restored after each call
+    finally:
+        context._serve_request_context.reset(token)

@@ -71,6 +71,9 @@ def test_engine_config_carries_the_limits():
         ({"replica": {"autoscaling": {"min_replicas": 3}}}, ["min_replicas <= initial_replicas"]),
         ({"policies": {"request_class": "nope"}}, ["policies", "nope", "header"]),
         ({"ingress": {"transport": "carrier-pigeon"}}, ["ingress.transport"]),
+        ({"ingress": {"token_path": "smoke"}}, ["ingress.token_path"]),
+        ({"policies": {"routing": "nope"}}, ["policies", "nope", "prefix_affinity"]),
+        ({"policies": {"routing_options": {"max_imbalanse": 1}}}, ["policies", "max_imbalanse"]),
     ],
 )
 def test_bad_config_fails_with_a_message_naming_the_field(args, words):
@@ -93,3 +96,6 @@ def test_the_application_wires_three_deployments():
     assert (replicas.name, scheduler.name) == ("ModelReplica", "Scheduler")
     autoscaling = replicas._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 1)
+    router = replicas._deployment_config.request_router_config
+    assert router.request_router_class == "policies.serve_router.PolicyRequestRouter"
+    assert router.request_router_kwargs == {"policy": "prefix_affinity", "block_size": 16}

@@ -1,0 +1,134 @@
+"""Prefix-affinity routing on real Ray Serve with two model replicas.
+
+Requests that share a long system prompt all land on one replica, whose prefix cache then
+serves that prompt; unrelated requests still spread over both replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.actors.helpers import require_demo_model, small_config
+from tests.actors.test_serve_app import free_port, scrape
+
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEM = (
+    "You are the support assistant of a subscription service. Answer briefly, politely and "
+    "only about accounts, billing, plans, pauses, refunds and cancellations. "
+) * 4
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    require_demo_model()
+    import ray
+    from ray import serve
+
+    from actors.builder import application
+
+    controller = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"]
+    temp_dir = tempfile.mkdtemp(prefix="fl-test-ray-")
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old_path]))
+    port = free_port()
+    ray.init(
+        address="local",
+        namespace="firstlight-tests-routing",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=temp_dir,
+    )
+    config = small_config(
+        replica={
+            "num_cpus": 0.5,
+            "autoscaling": {"min_replicas": 2, "max_replicas": 2},
+            "stats_interval_s": 0.2,
+        },
+        ingress={"sync_interval_s": 0.2, "num_cpus": 0.2},
+        policies={"routing": "prefix_affinity"},
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller)
+        serve.run(application(config), name="firstlight", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def by_replica(metrics: dict, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for labels, value in metrics.get(name, {}).items():
+        replica = dict(labels).get("replica")
+        if replica is not None:
+            out[replica] = out.get(replica, 0.0) + value
+    return out
+
+
+async def settle(client: httpx.AsyncClient, replicas: int = 2) -> dict:
+    """A scrape once both replicas report (their stats reach /metrics every ~0.2 s)."""
+    for _ in range(100):
+        metrics = await scrape(client)
+        if len(by_replica(metrics, "firstlight_prefix_cache_queries_total")) >= replicas:
+            return metrics
+        await asyncio.sleep(0.1)
+    raise AssertionError("replica metrics did not show up")
+
+
+def chat(question: str, system: str | None = SYSTEM) -> dict:
+    messages = [{"role": "user", "content": question}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return {"model": "demo", "messages": messages, "max_tokens": 2, "temperature": 0}
+
+
+async def test_a_shared_prompt_sticks_to_one_replica_and_the_rest_spreads(base_url):
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        before = await settle(client)
+        hits0 = by_replica(before, "firstlight_prefix_cache_hits_total")
+        queries0 = by_replica(before, "firstlight_prefix_cache_queries_total")
+        questions = [f"Question {i}: can I pause my plan for {i + 1} months?" for i in range(6)]
+        for question in questions:
+            assert (
+                await client.post("/v1/chat/completions", json=chat(question))
+            ).status_code == 200
+        await asyncio.sleep(0.8)  # two stats pushes
+        after = await scrape(client)
+        hits = {
+            r: v - hits0.get(r, 0.0)
+            for r, v in by_replica(after, "firstlight_prefix_cache_hits_total").items()
+        }
+        # the 5 requests after the first read the system prompt (~100+ tokens) from one cache
+        assert sum(hits.values()) >= 5 * 96
+        assert max(hits.values()) == sum(hits.values())
+
+        # unrelated prompts, 8 at once, use both replicas
+        queries1 = by_replica(after, "firstlight_prefix_cache_queries_total")
+        unrelated = [
+            client.post("/v1/chat/completions", json=chat(f"{i} " * (20 + 9 * i), system=None))
+            for i in range(8)
+        ]
+        assert all(r.status_code == 200 for r in await asyncio.gather(*unrelated))
+        await asyncio.sleep(0.8)
+        queries2 = by_replica(await scrape(client), "firstlight_prefix_cache_queries_total")
+        grew = [r for r, v in queries2.items() if v > queries1.get(r, 0.0)]
+        assert len(grew) == 2, (queries0, queries1, queries2)
