@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from actors.settings import AppConfig
 from engine.demo.paths import ModelNotFoundError, resolve_model
@@ -31,3 +39,50 @@ def small_config(**sections: Any) -> AppConfig:
     # listener (for other nodes) stays on loopback in tests
     ingress = {"channel_tcp_host": "127.0.0.1", **sections.pop("ingress", {})}
     return AppConfig(engine=engine, ingress=ingress, **sections)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(config: AppConfig, namespace: str) -> Iterator[str]:
+    """The application on a real, private Ray (127.0.0.1, 2 CPUs) with the controller options
+    of serve_config.yaml; yields its base URL and shuts Ray down (its own processes) after."""
+    require_demo_model()
+    import ray
+    from ray import serve
+
+    from actors.builder import application
+
+    controller = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"]
+    temp_dir = tempfile.mkdtemp(prefix="fl-test-ray-")
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old_path]))
+    port = free_port()
+    ray.init(
+        address="local",
+        namespace=namespace,
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=temp_dir,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller)
+        serve.run(application(config), name="firstlight", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -7,23 +7,16 @@ serves that prompt; unrelated requests still spread over both replicas.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from tests.actors.helpers import require_demo_model, small_config
-from tests.actors.test_serve_app import free_port, scrape
+from tests.actors.helpers import serve_app, small_config
+from tests.actors.test_serve_app import scrape
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = (
     "You are the support assistant of a subscription service. Answer briefly, politely and "
     "only about accounts, billing, plans, pauses, refunds and cancellations. "
@@ -32,25 +25,6 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    require_demo_model()
-    import ray
-    from ray import serve
-
-    from actors.builder import application
-
-    controller = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"]
-    temp_dir = tempfile.mkdtemp(prefix="fl-test-ray-")
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old_path]))
-    port = free_port()
-    ray.init(
-        address="local",
-        namespace="firstlight-tests-routing",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=temp_dir,
-    )
     config = small_config(
         replica={
             "num_cpus": 0.5,
@@ -60,19 +34,8 @@ def base_url() -> Iterator[str]:
         ingress={"sync_interval_s": 0.2, "num_cpus": 0.2},
         policies={"routing": "prefix_affinity"},
     )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller)
-        serve.run(application(config), name="firstlight", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        if old_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_path
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with serve_app(config, namespace="firstlight-tests-routing") as url:
+        yield url
 
 
 def by_replica(metrics: dict, name: str) -> dict[str, float]:

@@ -7,29 +7,22 @@ Tests run in file order; the last one kills the model replica."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.actors.helpers import require_demo_model, small_config
+from tests.actors.helpers import serve_app, small_config
 from tests.app.helpers import parse_sse
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Can I pause my annual subscription?"
 STALL_S = 2.0  # engine stall limit in this module's config
 TTL_S = 0.8  # a replica silent this long leaves the cluster view
@@ -51,47 +44,11 @@ def config(token_path: str) -> Any:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["channel", "stream"])
 def base_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """The app on real Ray Serve, once per token path (replica → ingress hop)."""
-    require_demo_model()
-    import ray
-    from ray import serve
-
-    from actors.builder import application
-
-    controller = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"]
-    temp_dir = tempfile.mkdtemp(prefix="fl-test-ray-")
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old_path]))
-    port = free_port()
-    ray.init(
-        address="local",
-        namespace="firstlight-tests",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=temp_dir,
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller)
-        serve.run(application(config(request.param)), name="firstlight", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        if old_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_path
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with serve_app(config(request.param), namespace="firstlight-tests") as url:
+        yield url
 
 
 def replica_handle() -> Any:
