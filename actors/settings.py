@@ -146,13 +146,14 @@ class SchedulerSettings(BaseModel):
 
 class PolicySettings(BaseModel):
     """Policy names, each looked up in its `policies/` registry when the app is built.
-    `routing_options` go to the routing policy's constructor (e.g. `max_imbalance`)."""
+    `routing_options[name]` go to routing policy `name`'s constructor when it is the one
+    chosen (so switching `routing`, e.g. by environment, needs no other change)."""
 
     model_config = _SECTION
 
     request_class: str = "header"
     routing: str = "prefix_affinity"
-    routing_options: dict[str, Any] = Field(default_factory=dict)
+    routing_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class AppConfig(BaseSettings):

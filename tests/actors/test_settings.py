@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.builder import ConfigError, application, build_app, load_config
+from actors.builder import ConfigError, application, build_app, load_config, request_router
 from actors.settings import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +73,10 @@ def test_engine_config_carries_the_limits():
         ({"ingress": {"transport": "carrier-pigeon"}}, ["ingress.transport"]),
         ({"ingress": {"token_path": "smoke"}}, ["ingress.token_path"]),
         ({"policies": {"routing": "nope"}}, ["policies", "nope", "prefix_affinity"]),
-        ({"policies": {"routing_options": {"max_imbalanse": 1}}}, ["policies", "max_imbalanse"]),
+        (
+            {"policies": {"routing_options": {"prefix_affinity": {"max_imbalanse": 1}}}},
+            ["policies", "max_imbalanse"],
+        ),
     ],
 )
 def test_bad_config_fails_with_a_message_naming_the_field(args, words):
@@ -81,6 +84,14 @@ def test_bad_config_fails_with_a_message_naming_the_field(args, words):
         build_app(args)
     for word in words:
         assert word in str(info.value)
+
+
+def test_routing_options_apply_to_their_own_policy_only():
+    args = {"policies": {"routing_options": {"prefix_affinity": {"max_imbalance": 3}}}}
+    kwargs = request_router(load_config(args)).request_router_kwargs
+    assert kwargs == {"policy": "prefix_affinity", "max_imbalance": 3, "block_size": 16}
+    args["policies"]["routing"] = "least_loaded"  # e.g. FIRSTLIGHT_POLICIES__ROUTING
+    assert request_router(load_config(args)).request_router_kwargs == {"policy": "least_loaded"}
 
 
 def test_a_missing_model_fails_at_build_time(tmp_path):
