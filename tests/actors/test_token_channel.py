@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import pickle
+import json
 
 import pytest
 
@@ -64,7 +64,7 @@ def test_deltas_survive_the_wire_format():
     )
     bare = TokenDelta("r2", [], "")
     for original in (full, bare):
-        item = pickle.loads(pickle.dumps(encode_delta(original)))
+        item = json.loads(json.dumps(encode_delta(original)))  # what crosses the wire
         assert decode_delta(item) == original
     assert decode_delta(encode_delta(full)).finish_reason is FinishReason.STOP
 
@@ -116,23 +116,44 @@ async def test_frames_split_anywhere_are_reassembled_and_unknown_ids_dropped(ser
         [encode_delta(delta("x", 1)), encode_delta(delta("x", 2))]
     )
     protocol = _InboundProtocol(server)
+    data = server.secret + data
     for i in range(len(data)):  # one byte at a time
         protocol.data_received(data[i : i + 1])
     got = await inbox.get()
     assert got.token_ids == [1, 2]  # two deltas that arrived before the reader: merged
 
 
-async def test_a_corrupt_length_closes_the_connection(server):
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\xff\xff\xff\xff",  # a length past the limit
+        frame([]).replace(b"[]", b"{]"),  # not JSON
+        b"cos\nsystem\n(S'echo owned'\ntR.",  # a pickle: never unpickled, not even tried
+    ],
+)
+async def test_a_corrupt_frame_closes_the_connection(server, garbage):
     closed = []
 
     class Transport:
         def close(self) -> None:
             closed.append(True)
 
+    inbox = server.open("r")
     protocol = _InboundProtocol(server)
     protocol.connection_made(Transport())  # type: ignore[arg-type]
-    protocol.data_received(b"\xff\xff\xff\xff")
+    protocol.data_received(server.secret + garbage + frame([encode_delta(delta("r", 1))]))
     assert closed == [True]
+    assert inbox.pending is None  # nothing after the bad frame was delivered
+
+
+async def test_a_peer_without_the_secret_is_dropped_before_any_frame(server):
+    inbox = server.open("r")
+    reader, writer = await asyncio.open_unix_connection(server.address.path)
+    writer.write(b"x" * len(server.secret) + frame([encode_delta(delta("r", 1))]))
+    await writer.drain()
+    assert await asyncio.wait_for(reader.read(), 2) == b""  # closed by the ingress
+    writer.close()
+    assert inbox.pending is None
 
 
 async def test_losing_the_connection_fails_its_slots_and_the_pool_reconnects(server):
