@@ -64,9 +64,9 @@ def _routing_options(config: AppConfig) -> dict[str, Any]:
 
 def request_router(config: AppConfig) -> RequestRouterConfig:
     """ModelReplica's request router: the configured `policies.routing` policy, run by
-    `policies.serve_router.PolicyRequestRouter` in each ingress."""
+    `actors.request_router.PolicyRequestRouter` in each ingress."""
     return RequestRouterConfig(
-        request_router_class="policies.serve_router.PolicyRequestRouter",
+        request_router_class="actors.request_router.PolicyRequestRouter",
         request_router_kwargs={"policy": config.policies.routing, **_routing_options(config)},
     )
 

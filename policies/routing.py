@@ -16,7 +16,8 @@ cannot pile every request onto one replica. The block hashes are the engine's ow
 
 `least_loaded` ranks by queue length only (ties broken at random).
 
-`policies/serve_router.py` adapts a policy to Serve's `RequestRouter`.
+`actors/request_router.py` adapts a policy to Serve's `RequestRouter` (this module stays
+Ray-free).
 """
 
 from __future__ import annotations

@@ -108,5 +108,5 @@ def test_the_application_wires_three_deployments():
     autoscaling = replicas._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 1)
     router = replicas._deployment_config.request_router_config
-    assert router.request_router_class == "policies.serve_router.PolicyRequestRouter"
+    assert router.request_router_class == "actors.request_router.PolicyRequestRouter"
     assert router.request_router_kwargs == {"policy": "prefix_affinity", "block_size": 16}
