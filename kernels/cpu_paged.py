@@ -96,17 +96,14 @@ class CpuPagedBackend(TorchReferenceBackend):
         ext = load_extension()
         if g.plan.max_q != 1 or ext is None:
             return super()._attend(g, q, k_cache, v_cache, scale)
+        if g.kernel_args is None:  # the same for every layer of this step
+            g.kernel_args = (
+                g.block_table.to(torch.int32).contiguous(),
+                g.seq_lens_k.to(torch.int32).contiguous(),
+                torch.arange(q.shape[0], dtype=torch.int64),
+            )
+        table, lens, rows = g.kernel_args
         q = q.contiguous()
         out = torch.empty_like(q)
-        rows = torch.arange(q.shape[0], dtype=torch.int64)
-        ext.paged_decode(
-            q,
-            k_cache,
-            v_cache,
-            g.block_table.to(torch.int32).contiguous(),
-            g.seq_lens_k.to(torch.int32).contiguous(),
-            rows,
-            scale,
-            out,
-        )
+        ext.paged_decode(q, k_cache, v_cache, table, lens, rows, scale, out)
         return out

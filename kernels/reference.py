@@ -107,13 +107,15 @@ class AttentionGroup:
 
     Mixing them would pad every decode row to the longest prefill chunk. `tokens` holds the
     packed query rows of the group (None: the group is the whole step, in order); the group's
-    own metadata tensors are kept for kernels that read the paged cache directly.
+    own metadata tensors are kept for kernels that read the paged cache directly, and
+    `kernel_args` lets such a kernel convert them once per step instead of once per layer.
     """
 
     plan: _Plan
     tokens: torch.Tensor | None
     seq_lens_k: torch.Tensor
     block_table: torch.Tensor
+    kernel_args: tuple[torch.Tensor, ...] | None = None
 
 
 def _build_groups(
