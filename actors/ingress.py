@@ -177,7 +177,6 @@ class _SendBacklog:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.docs_url = getattr(app, "docs_url", None)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and (pending := _serve_send_queue(send)) is not None:
