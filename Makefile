@@ -19,7 +19,7 @@ endif
 	touch $@
 
 demo: setup
-	$(PY) -m engine.demo.build
+	$(PY) -m demo.build
 
 serve: setup demo
 	@echo "firstlight: serving the demo model at http://127.0.0.1:8000/v1"

@@ -8,7 +8,7 @@
 `build_app(args)` validates `args` (plus `FIRSTLIGHT_*` environment overrides) as an
 `AppConfig`, checks that every named policy is registered, and wires three deployments:
 
-    Ingress ──calls──▶ ModelReplica ×[min, max] (autoscaled) ──stats──▶ Scheduler (×1)
+    Ingress ──calls──▶ ModelReplica ×[min, max] (autoscaled) ──stats──▶ ControlPlane (×1)
        ▲  (routed by policies.routing)   │
        └──────── token channel ──────────┘
        └──────────── sync (metrics out, cluster view back) ─────────────────┘
@@ -24,11 +24,11 @@ from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from actors.control_plane import ControlPlane
 from actors.ingress import Ingress
 from actors.model_replica import ModelReplica
-from actors.scheduler import Scheduler
 from actors.settings import AppConfig
-from engine.demo.paths import ModelNotFoundError, resolve_model
+from demo.paths import ModelNotFoundError, resolve_model
 from policies.base import create, lookup
 from policies.request_class import RequestClassPolicy
 from policies.routing import ReplicaRoutingPolicy
@@ -72,10 +72,10 @@ def request_router(config: AppConfig) -> RequestRouterConfig:
 
 
 def application(config: AppConfig) -> Application:
-    scheduler = Scheduler.options(
-        ray_actor_options={"num_cpus": config.scheduler.num_cpus},
+    control_plane = ControlPlane.options(
+        ray_actor_options={"num_cpus": config.control_plane.num_cpus},
         logging_config=_QUIET,
-    ).bind(config.scheduler)
+    ).bind(config.control_plane)
     replica = config.replica
     replicas = ModelReplica.options(
         autoscaling_config=replica.autoscaling.serve_config(),
@@ -88,7 +88,7 @@ def application(config: AppConfig) -> Application:
         request_router_config=request_router(config),
         ray_actor_options={"num_cpus": replica.num_cpus},
         logging_config=_QUIET,
-    ).bind(config, scheduler)
+    ).bind(config, control_plane)
     ingress = config.ingress
     return Ingress.options(
         num_replicas=ingress.num_replicas,
@@ -96,7 +96,7 @@ def application(config: AppConfig) -> Application:
         max_queued_requests=ingress.max_ongoing_requests,
         backpressure_config=_BACKPRESSURE,
         ray_actor_options={"num_cpus": ingress.num_cpus},
-    ).bind(config, replicas, scheduler)
+    ).bind(config, replicas, control_plane)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

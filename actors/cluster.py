@@ -1,6 +1,6 @@
 """The control plane's data: what replicas and ingresses report, and the view they get back.
 
-Plain Python (no Ray), so the Scheduler deployment stays a thin shell and this logic is
+Plain Python (no Ray), so the control plane deployment stays a thin shell and this logic is
 tested without a cluster. Messages are dataclasses with slots; snapshots are
 `app.metric_snapshot` plain data.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.metric_snapshot import Snapshot, engine_snapshot, merge_snapshots
-from engine.protocol import EngineUnavailableError
+from engine.errors import Unavailable
 from engine.request import Request
 
 
@@ -93,12 +93,12 @@ class ClusterSnapshot:
 @dataclass(slots=True)
 class _Seen:
     report: Any
-    at: float  # monotonic time of arrival at the Scheduler
+    at: float  # monotonic time of arrival at the control plane
 
 
 @dataclass(slots=True)
 class ClusterState:
-    """The Scheduler's memory: latest report per source, expired after `ttl_s`."""
+    """The control plane's memory: latest report per source, expired after `ttl_s`."""
 
     ttl_s: float = 3.0
     replicas: dict[str, _Seen] = field(default_factory=dict)
@@ -156,7 +156,7 @@ class ClusterCache:
     """An ingress's local copy of the last `ClusterSnapshot`, refreshed in the background.
 
     Requests only read it (never a remote call). It is trusted only while fresh (synced
-    within `stale_after_s`): a stale cache (Scheduler unreachable) refuses nothing and lets
+    within `stale_after_s`): a stale cache (control plane unreachable) refuses nothing and lets
     Serve route as usual.
     """
 
@@ -183,7 +183,7 @@ class ClusterCache:
         if not self.fresh(now):
             return
         if not self.snapshot.view.for_model(self.model) and self.seen_replica:
-            raise EngineUnavailableError(f"no replica of {self.model!r} is running")
+            raise Unavailable(f"no replica of {self.model!r} is running")
 
     def stats(self) -> dict[str, Any]:
         """Sums over live replicas (what `ReplicaClient.stats()` returns)."""

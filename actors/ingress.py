@@ -4,9 +4,9 @@ What it adds to the app, and nothing else:
 * the endpoint's engine is a `ReplicaClient` over the ModelReplica handle, so every token
   crosses exactly one actor hop (replica → here) before the app writes it: by default over
   this ingress's token channel (a `ChannelServer` it starts, see actors/token_channel.py);
-* a background task syncs with the Scheduler every `sync_interval_s`: it pushes this
+* a background task syncs with the control plane every `sync_interval_s`: it pushes this
   ingress's HTTP metrics and gets back the cluster view plus everyone else's metrics. Requests
-  read only that local `ClusterCache` (early 503, `/metrics`), never the Scheduler;
+  read only that local `ClusterCache` (early 503, `/metrics`), never the control plane;
 * `/metrics` renders this ingress's fresh metrics merged with the cached rest, so one scrape
   covers every replica and every ingress;
 * a stalled HTTP reader can be cut: Serve's ASGI `send` never blocks (it queues messages for
@@ -52,15 +52,15 @@ logger = logging.getLogger("firstlight.ingress")
 @serve.ingress()
 class Ingress:
     async def __init__(
-        self, config: AppConfig, replicas: DeploymentHandle, scheduler: DeploymentHandle
+        self, config: AppConfig, replicas: DeploymentHandle, control_plane: DeploymentHandle
     ) -> None:
         self.config = config
-        self.scheduler = scheduler
+        self.control_plane = control_plane
         self.ingress_id = replica_id()
         interval = config.ingress.sync_interval_s
         self.cache = ClusterCache(
             model=config.served_model_name,
-            stale_after_s=max(3 * interval, config.scheduler.report_ttl_s),
+            stale_after_s=max(3 * interval, config.control_plane.report_ttl_s),
         )
         self.metrics = Metrics(max_label_values=config.max_label_values)  # HTTP metrics only
         self.channel: ChannelServer | None = None
@@ -114,7 +114,7 @@ class Ingress:
     async def _sync_once(self) -> None:
         report = IngressReport(self.ingress_id, self.metrics.snapshot())
         async with asyncio.timeout(max(1.0, 4 * self.config.ingress.sync_interval_s)):
-            snapshot = await self.scheduler.sync.remote(report)
+            snapshot = await self.control_plane.sync.remote(report)
         self.cache.update(snapshot)
 
     async def _sync_loop(self) -> None:
@@ -124,7 +124,7 @@ class Ingress:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the cache goes stale; requests still flow
-                logger.debug("scheduler sync failed: %r", exc)
+                logger.debug("control plane sync failed: %r", exc)
             await asyncio.sleep(self.config.ingress.sync_interval_s)
 
     async def _wait_for_first_view(self, timeout_s: float) -> None:

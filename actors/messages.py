@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from engine.protocol import EngineUnavailableError, QueueFullError
+from engine.errors import InvalidRequest, QueueFull, Unavailable
 
 
 class ErrorKind(StrEnum):
-    INVALID = "invalid"  # ValueError(param, message) → 400
-    QUEUE_FULL = "queue_full"  # QueueFullError → 429 + Retry-After
+    INVALID = "invalid"  # InvalidRequest(param, message) → 400
+    QUEUE_FULL = "queue_full"  # QueueFull → 429 + Retry-After
     UNAVAILABLE = "unavailable"  # the engine cannot serve (its loop died) → 503
 
 
@@ -30,20 +30,18 @@ class ReplicaError:
 
     @classmethod
     def from_exception(cls, exc: Exception) -> ReplicaError:
-        if isinstance(exc, QueueFullError):
+        if isinstance(exc, QueueFull):
             return cls(ErrorKind.QUEUE_FULL, str(exc), retry_after_s=exc.retry_after_s)
-        if isinstance(exc, ValueError):
-            if len(exc.args) == 2 and all(isinstance(a, str) for a in exc.args):
-                return cls(ErrorKind.INVALID, exc.args[1], param=exc.args[0])
-            return cls(ErrorKind.INVALID, str(exc))
+        if isinstance(exc, InvalidRequest):
+            return cls(ErrorKind.INVALID, exc.message, param=exc.param)
         return cls(ErrorKind.UNAVAILABLE, str(exc) or type(exc).__name__)
 
     def exception(self) -> Exception:
         if self.kind is ErrorKind.QUEUE_FULL:
-            return QueueFullError(self.message, retry_after_s=self.retry_after_s)
+            return QueueFull(self.message, retry_after_s=self.retry_after_s)
         if self.kind is ErrorKind.INVALID:
-            return ValueError(self.param, self.message) if self.param else ValueError(self.message)
-        return EngineUnavailableError(self.message)
+            return InvalidRequest(self.param, self.message)
+        return Unavailable(self.message)
 
 
 @dataclass(slots=True, frozen=True)

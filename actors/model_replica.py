@@ -12,7 +12,7 @@ What it adds to the engine, and nothing else:
 * `generate(request)`: the same over a Serve stream (one item per delta; the first one is
   yielded the moment it exists), for `ingress.token_path: stream`;
 * `check_health` fails once the engine loop has died, so Serve replaces the replica;
-* stats: pushed to the Scheduler every `stats_interval_s` from a background task (never
+* stats: pushed to the control plane every `stats_interval_s` from a background task (never
   awaited by a request), served by `stats()`, and published to Serve's router through
   `record_routing_stats`.
 """
@@ -34,9 +34,10 @@ from actors.messages import ReplicaError, ReplicaInfo
 from actors.runtime import node_id, replica_id, rss_bytes
 from actors.settings import AppConfig
 from actors.token_channel import ChannelAddress, ChannelPool
+from demo.paths import resolve_model
 from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequest, QueueFull, Unavailable
 from engine.process import freeze_startup_heap
-from engine.protocol import EngineUnavailableError, QueueFullError
 from engine.request import Request, SamplingParams, TokenDelta
 
 logger = logging.getLogger("firstlight.replica")
@@ -44,15 +45,16 @@ logger = logging.getLogger("firstlight.replica")
 
 @serve.deployment(name="ModelReplica")
 class ModelReplica:
-    async def __init__(self, config: AppConfig, scheduler: DeploymentHandle | None = None):
+    async def __init__(self, config: AppConfig, control_plane: DeploymentHandle | None = None):
         self.config = config
-        self.scheduler = scheduler
+        self.control_plane = control_plane
         self.replica_id = replica_id()
         self.channels = ChannelPool(node_id())
         self.engine = await asyncio.to_thread(
             AsyncEngine.from_config,
             config.engine.engine_config(),
             stall_timeout_s=config.engine.stall_timeout_s,
+            resolve_model=resolve_model,
         )
         await self.engine.warmup()
         await self.engine.start()
@@ -72,13 +74,13 @@ class ModelReplica:
 
     async def stream_to(self, request: Request, address: ChannelAddress) -> ReplicaError | None:
         if not self.engine.is_healthy:
-            return ReplicaError.from_exception(EngineUnavailableError("the engine is not running"))
+            return ReplicaError.from_exception(Unavailable("the engine is not running"))
         conn = await self.channels.connection(address)
         rid = request.request_id
         slot = conn.open(rid)
         try:
             self.engine.attach(request, slot)
-        except (ValueError, QueueFullError) as exc:  # refused before the first token
+        except (InvalidRequest, QueueFull) as exc:  # refused before the first token
             conn.close_slot(rid)
             return ReplicaError.from_exception(exc)
         finished = False
@@ -89,25 +91,25 @@ class ModelReplica:
         except Exception as exc:
             if self.engine.is_healthy:
                 raise  # the channel broke (the ingress is gone) or its reader stalled
-            return ReplicaError.from_exception(EngineUnavailableError(str(exc)))  # engine died
+            return ReplicaError.from_exception(Unavailable(str(exc)))  # engine died
         finally:
             self.engine.detach(rid, abort=not finished)
             conn.close_slot(rid)
 
     async def generate(self, request: Request) -> AsyncIterator[TokenDelta | ReplicaError]:
         if not self.engine.is_healthy:
-            yield ReplicaError.from_exception(EngineUnavailableError("the engine is not running"))
+            yield ReplicaError.from_exception(Unavailable("the engine is not running"))
             return
         stream = self.engine.generate(request)
         try:
             async for delta in stream:
                 yield delta
-        except (ValueError, QueueFullError) as exc:  # refused before the first token
+        except (InvalidRequest, QueueFull) as exc:  # refused before the first token
             yield ReplicaError.from_exception(exc)
         except RuntimeError as exc:
             if self.engine.is_healthy:
                 raise
-            yield ReplicaError.from_exception(EngineUnavailableError(str(exc)))  # engine died
+            yield ReplicaError.from_exception(Unavailable(str(exc)))  # engine died
         finally:
             await stream.aclose()  # a no-op when finished; otherwise aborts the request
 
@@ -143,7 +145,7 @@ class ModelReplica:
 
     async def _report_loop(self) -> None:
         interval = self.config.replica.stats_interval_s
-        while self.scheduler is not None:
+        while self.control_plane is not None:
             try:
                 report = ReplicaReport(
                     replica_id=self.replica_id,
@@ -152,7 +154,7 @@ class ModelReplica:
                     healthy=self.engine.is_healthy,
                 )
                 async with asyncio.timeout(max(1.0, 4 * interval)):
-                    await self.scheduler.report_replica.remote(report)
+                    await self.control_plane.report_replica.remote(report)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the control plane is optional for serving tokens
@@ -165,10 +167,10 @@ class ModelReplica:
             reporter.cancel()
             with contextlib.suppress(BaseException):
                 await reporter
-        if self.scheduler is not None:
+        if self.control_plane is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
-                    await self.scheduler.remove_replica.remote(self.replica_id)
+                    await self.control_plane.remove_replica.remote(self.replica_id)
         channels = getattr(self, "channels", None)
         if channels is not None:
             channels.close()

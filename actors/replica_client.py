@@ -1,8 +1,8 @@
 """ReplicaClient: an `EngineClient` that streams from the ModelReplica deployment.
 
 The app (app/) sees the same contract as in bare mode: `generate(request)` is an async
-iterator of `TokenDelta`s that raises `ValueError` (400), `QueueFullError` (429) or
-`EngineUnavailableError` (503) before the first delta, and closing it early aborts the
+iterator of `TokenDelta`s that raises `ValueError` (400), `QueueFull` (429) or
+`Unavailable` (503) before the first delta, and closing it early aborts the
 request. Each delta crosses exactly one actor hop (replica → this process), by one of two
 paths:
 * with a `ChannelServer` (`ingress.token_path: channel`, the default): the request is one
@@ -15,8 +15,8 @@ paths:
 Translation of what can go wrong across the hop:
 * a `ReplicaError` item (the replica refused the request) → the exception it names;
 * Serve's `BackPressureError` (every replica at `max_ongoing_requests` and the handle's own
-  queue full) → `QueueFullError`;
-* no replica to route to, or the replica died → `EngineUnavailableError` (a 503 before the
+  queue full) → `QueueFull`;
+* no replica to route to, or the replica died → `Unavailable` (a 503 before the
   first token; an SSE error event after it);
 * any other remote failure → `RuntimeError` (a 500, logged by the app).
 
@@ -45,7 +45,7 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.messages import ReplicaError
 from actors.token_channel import ChannelServer, TokenInbox
-from engine.protocol import EngineUnavailableError, QueueFullError
+from engine.errors import QueueFull, Unavailable
 from engine.request import Request, TokenDelta
 
 _UNAVAILABLE = (
@@ -192,12 +192,12 @@ async def _outcome(response: Any) -> Any:
 def _translate(exc: Exception) -> Exception:
     """Serve / Ray failures of a replica call as the engine's own exceptions."""
     if isinstance(exc, BackPressureError):
-        return QueueFullError(str(exc), retry_after_s=exc.retry_after_s or 1.0)
+        return QueueFull(str(exc), retry_after_s=exc.retry_after_s or 1.0)
     if isinstance(exc, _UNAVAILABLE):
-        return EngineUnavailableError(f"model replica unavailable: {exc}")
+        return Unavailable(f"model replica unavailable: {exc}")
     if isinstance(exc, RayTaskError):
         cause = exc.cause
         if isinstance(cause, _UNAVAILABLE):
-            return EngineUnavailableError(f"model replica unavailable: {cause}")
+            return Unavailable(f"model replica unavailable: {cause}")
         return RuntimeError(f"model replica failed: {cause!r}")
     return exc

@@ -101,7 +101,7 @@ class ReplicaSettings(BaseModel):
     max_queued_requests: int = Field(64, ge=1)  # per caller, when every replica is full
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(10.0, gt=0)
-    stats_interval_s: float = Field(0.5, gt=0)  # push period of stats to the Scheduler
+    stats_interval_s: float = Field(0.5, gt=0)  # push period of stats to the control plane
     graceful_shutdown_timeout_s: float = Field(10.0, ge=0)
 
 
@@ -137,7 +137,7 @@ class IngressSettings(BaseModel):
         return {}
 
 
-class SchedulerSettings(BaseModel):
+class ControlPlaneSettings(BaseModel):
     model_config = _SECTION
 
     num_cpus: float = Field(0.1, ge=0)
@@ -176,7 +176,7 @@ class AppConfig(BaseSettings):
     engine: EngineSettings = EngineSettings()
     replica: ReplicaSettings = ReplicaSettings()
     ingress: IngressSettings = IngressSettings()
-    scheduler: SchedulerSettings = SchedulerSettings()
+    control_plane: ControlPlaneSettings = ControlPlaneSettings()
     policies: PolicySettings = PolicySettings()
 
     @classmethod

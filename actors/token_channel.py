@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from engine.async_engine import OutputSlot
+from engine.errors import InvalidRequest
 from engine.request import FinishReason, Timings, TokenDelta, TokenLogprob
 
 logger = logging.getLogger("firstlight.channel")
@@ -217,7 +218,7 @@ class ChannelServer:
 
     def open(self, request_id: str) -> TokenInbox:
         if request_id in self._inboxes:
-            raise ValueError("request_id", f"request id {request_id!r} is already running")
+            raise InvalidRequest("request_id", f"request id {request_id!r} is already running")
         inbox = self._inboxes[request_id] = TokenInbox()
         return inbox
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.protocol import EngineUnavailableError, QueueFullError
+from engine.errors import InvalidRequest, QueueFull, Unavailable
 
 logger = logging.getLogger("firstlight.app")
 
@@ -71,24 +71,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def _is_param_error(exc: ValueError) -> bool:
-    return len(exc.args) == 2 and all(isinstance(a, str) for a in exc.args)
-
-
-def from_value_error(exc: ValueError) -> APIError:
-    """`ValueError(param, message)` (the engine's convention for a bad request) → 400."""
-    if _is_param_error(exc):
-        return bad_request(exc.args[1], param=exc.args[0])
-    return bad_request(str(exc))
+def from_invalid(exc: InvalidRequest) -> APIError:
+    """The engine's `InvalidRequest(param, message)` → 400 naming the parameter."""
+    return bad_request(exc.message, param=exc.param)
 
 
 def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
     """Map any exception to what the client should see."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ValueError) and _is_param_error(exc):  # the engine refused the request
-        return from_value_error(exc)
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, InvalidRequest):  # the engine refused the request
+        return from_invalid(exc)
+    if isinstance(exc, QueueFull):
         retry = max(1, math.ceil(exc.retry_after_s))
         return APIError(
             429,
@@ -97,7 +91,7 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
             code="queue_full",
             headers={"Retry-After": str(retry)},
         )
-    if isinstance(exc, EngineUnavailableError):
+    if isinstance(exc, Unavailable):
         return APIError(
             503, str(exc) or "no engine available", type="server_error", code="engine_unavailable"
         )
@@ -162,8 +156,8 @@ def install_error_handlers(app: FastAPI) -> None:
     them and answers 500.
     """
     app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(QueueFullError, _api_error)
-    app.add_exception_handler(EngineUnavailableError, _api_error)
-    app.add_exception_handler(ValueError, _api_error)  # the engine's ValueError(param, message)
+    app.add_exception_handler(QueueFull, _api_error)
+    app.add_exception_handler(Unavailable, _api_error)
+    app.add_exception_handler(InvalidRequest, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

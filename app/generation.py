@@ -22,7 +22,7 @@ from app.endpoint import ModelEndpoint
 from app.errors import to_api_error
 from app.feed import DeltaFeed
 from app.metrics import Metrics, RequestLabels
-from app.render import Renderer
+from app.openai.render import Renderer
 from app.sse import Event, SSEResponse
 from engine.request import Request
 

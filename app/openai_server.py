@@ -22,16 +22,17 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from app.chat import chat_prompt_ids
 from app.endpoint import Endpoints, ModelEndpoint
-from app.errors import bad_request, from_validation_errors, from_value_error, install_error_handlers
+from app.errors import bad_request, from_invalid, from_validation_errors, install_error_handlers
 from app.generation import Job, Runtime, Trace, run_job
 from app.metric_snapshot import Snapshot
 from app.metrics import CONTENT_TYPE, Metrics
 from app.middleware import EdgeMiddleware
-from app.render import ChatRenderer, CompletionRenderer, Renderer
-from app.schemas import ChatCompletionRequest, CompletionRequest
+from app.openai.chat import chat_prompt_ids
+from app.openai.render import ChatRenderer, CompletionRenderer, Renderer
+from app.openai.schemas import ChatCompletionRequest, CompletionRequest
 from app.settings import Settings
+from engine.errors import InvalidRequest
 from engine.request import Request, RequestClass
 from policies.base import create
 from policies.request_class import RequestClassPolicy
@@ -188,8 +189,8 @@ def _parse(model: type[M], body: dict[str, Any]) -> M:
 def _classify(ctx: AppContext, request: HTTPRequest, body: dict[str, Any]) -> RequestClass:
     try:
         return ctx.classifier.classify(request.headers, body)
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    except InvalidRequest as exc:
+        raise from_invalid(exc) from None
 
 
 def _prompt_ids(endpoint: ModelEndpoint, prompt: str | list[int]) -> list[int]:
@@ -258,8 +259,8 @@ def _make_job(
             sampling = params.sampling_params(
                 max_tokens=max_tokens, logprobs=logprobs, seed=params.seed
             )
-        except ValueError as exc:  # ValueError(param, message)
-            raise from_value_error(exc) from None
+        except InvalidRequest as exc:
+            raise from_invalid(exc) from None
         for i in range(params.n):
             if params.seed is not None and i:  # distinct but reproducible samples per choice
                 sampling = dataclasses.replace(sampling, seed=params.seed + i)

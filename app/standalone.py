@@ -38,6 +38,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
 
 def build_standalone(settings: Settings) -> FastAPI:
     """Load the engine (slow: weights) and return the app that owns its lifecycle."""
+    from demo.paths import resolve_model
     from engine.async_engine import AsyncEngine  # heavy (torch); only bare mode needs it
     from engine.config import EngineConfig
     from engine.process import freeze_startup_heap
@@ -45,6 +46,7 @@ def build_standalone(settings: Settings) -> FastAPI:
     engine = AsyncEngine.from_config(
         EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype),
         stall_timeout_s=settings.stall_timeout_s,
+        resolve_model=resolve_model,
     )
     endpoint = ModelEndpoint(
         name=settings.served_model_name or engine.model_name,

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from demo.paths import resolve_model
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.demo.paths import resolve_model
 from engine.request import Request, SamplingParams
 
 
@@ -128,7 +128,7 @@ async def oversubscribed(config: EngineConfig, rng: random.Random, lo: int, hi: 
         cache=replace(config.cache, num_blocks=n_req * blocks_per_req // 2),
         scheduler=replace(config.scheduler, max_num_seqs=n_req),
     )
-    engine = AsyncEngine.from_config(cfg)
+    engine = AsyncEngine.from_config(cfg, resolve_model=resolve_model)
     await engine.start()
     try:
         work = [random_prompt(rng, prompt_len, lo, hi) for _ in range(n_req)]
@@ -151,7 +151,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         cache=CacheConfig(kv_cache_bytes=512 * 1024 * 1024),
         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64),
     )
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncEngine.from_config(config, resolve_model=resolve_model)
     await engine.start()
     tok = engine.tokenizer
     lo, hi = 16, len(tok) - 16  # plain tokens, away from the specials

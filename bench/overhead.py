@@ -84,12 +84,15 @@ def serve_bare(port: int, args: dict[str, Any]) -> None:
     from app.endpoint import ModelEndpoint
     from app.openai_server import build_app
     from app.settings import Settings
+    from demo.paths import resolve_model
     from engine.async_engine import AsyncEngine
     from engine.process import freeze_startup_heap
 
     config = load_config(args)
     engine = AsyncEngine.from_config(
-        config.engine.engine_config(), stall_timeout_s=config.engine.stall_timeout_s
+        config.engine.engine_config(),
+        stall_timeout_s=config.engine.stall_timeout_s,
+        resolve_model=resolve_model,
     )
     freeze_startup_heap()
     endpoint = ModelEndpoint(

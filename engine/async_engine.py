@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequest, QueueFull
 from engine.llm_engine import LLMEngine
-from engine.protocol import QueueFullError
+from engine.models.resolve import ModelResolver, local_model_dir
 from engine.request import Request, TokenDelta, merge_deltas
 
 
@@ -97,8 +98,14 @@ class AsyncEngine:
         self.num_stalled = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
-        return cls(LLMEngine(config), **kwargs)
+    def from_config(
+        cls,
+        config: EngineConfig,
+        *,
+        resolve_model: ModelResolver = local_model_dir,
+        **kwargs: Any,
+    ) -> AsyncEngine:
+        return cls(LLMEngine(config, resolve_model=resolve_model), **kwargs)
 
     # -- what the HTTP layer reads -----------------------------------------------------------
 
@@ -149,7 +156,7 @@ class AsyncEngine:
     # -- EngineClient ------------------------------------------------------------------------
 
     async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
-        """Stream deltas for `request`. Raises ValueError / QueueFullError before the first."""
+        """Stream deltas for `request`. Raises InvalidRequest / QueueFull before the first."""
         if self._thread is None:
             await self.start()
         slot = OutputSlot()
@@ -167,7 +174,7 @@ class AsyncEngine:
 
     def attach(self, request: Request, slot: OutputSlot) -> None:
         """Queue `request` with its output going to `slot` (the lower-level `generate`).
-        Raises ValueError / QueueFullError / RuntimeError (engine not running) at once.
+        Raises InvalidRequest / QueueFull / RuntimeError (engine not running) at once.
         Every attached request must be `detach`ed once its output is done with."""
         if self._failure is not None:
             raise RuntimeError(f"engine loop failed: {self._failure!r}")
@@ -176,9 +183,9 @@ class AsyncEngine:
         self.engine.validate(request)
         rid = request.request_id
         if rid in self._slots:
-            raise ValueError("request_id", f"request id {rid!r} is already running")
+            raise InvalidRequest("request_id", f"request id {rid!r} is already running")
         if self._num_waiting + len(self._adds) >= self.engine.config.scheduler.max_waiting:
-            raise QueueFullError(retry_after_s=self._retry_after_s())
+            raise QueueFull(retry_after_s=self._retry_after_s())
         self._slots[rid] = slot
         self._submit(add=request)
 
@@ -249,7 +256,7 @@ class AsyncEngine:
         for request in adds:
             try:
                 self.engine.add_request(request)
-            except (ValueError, QueueFullError) as exc:
+            except (InvalidRequest, QueueFull) as exc:
                 rejected.append((request.request_id, exc))
         steps = self.engine.counters.steps
         deltas = self.engine.step()

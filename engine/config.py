@@ -20,7 +20,7 @@ class SchedulerConfig:
     """Step scheduling limits.
 
     `max_num_batched_tokens` is the token budget of one step (decode tokens + prefill chunks).
-    `max_waiting` bounds the waiting queue: `add` past it raises `QueueFullError`.
+    `max_waiting` bounds the waiting queue: `add` past it raises `QueueFull`.
     `bulk_min_share` is the fraction of each step's token budget that bulk requests may claim
     even while interactive ones wait, so bulk never starves.
     """

@@ -26,7 +26,9 @@ def build_prompt(tokenizer, text: str, raw: bool) -> list[int]:
 
 async def run(args: argparse.Namespace) -> None:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
-    engine = AsyncEngine.from_config(config)
+    from demo.paths import resolve_model  # the CLI knows the demo names; the engine does not
+
+    engine = AsyncEngine.from_config(config, resolve_model=resolve_model)
     await engine.start()
     try:
         params = SamplingParams(

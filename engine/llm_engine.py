@@ -11,17 +11,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_hash import model_key
 from engine.config import EngineConfig
-from engine.demo.paths import resolve_model
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.errors import InvalidRequest
+from engine.kv.block_hash import model_key
+from engine.kv.cache_manager import KVCacheManager
+from engine.models.resolve import ModelResolver, local_model_dir
+from engine.output.detokenizer import IncrementalDetokenizer
+from engine.output.stop import check_stop
 from engine.request import FinishReason, Request, TokenDelta
-from engine.sampler import Sampler, SampleResult
-from engine.scheduler import Scheduler
+from engine.runner.model_runner import ModelRunner
+from engine.sample.sampler import Sampler, SampleResult
+from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.stop import check_stop
 from engine.tokenizer import load_tokenizer
 
 
@@ -33,7 +34,7 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, resolve_model: ModelResolver = local_model_dir):
         self.config = config
         self.model_path = resolve_model(config.model)
         self.model_name = config.model
@@ -62,22 +63,22 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
 
     def validate(self, request: Request) -> None:
-        """Raise `ValueError(param, message)` for a request this engine cannot serve."""
+        """Raise `InvalidRequest(param, message)` for a request this engine cannot serve."""
         request.sampling.validate()
         n = len(request.prompt_token_ids)
         if n == 0:
-            raise ValueError("prompt", "the prompt is empty")
+            raise InvalidRequest("prompt", "the prompt is empty")
         if n >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 "prompt",
                 f"the prompt has {n} tokens; this model's context is {self.max_model_len}",
             )
         vocab = self.runner.info.vocab_size
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
-            raise ValueError("prompt", f"token ids must be in [0, {vocab})")
+            raise InvalidRequest("prompt", f"token ids must be in [0, {vocab})")
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; raises ValueError (bad request) or QueueFullError (overload)."""
+        """Queue a request; raises InvalidRequest (bad request) or QueueFull (overload)."""
         self.validate(request)
         seq = Sequence.from_request(request)
         self.scheduler.add(seq)

@@ -12,18 +12,6 @@ from typing import Any, Protocol
 from engine.request import Request, TokenDelta
 
 
-class QueueFullError(RuntimeError):
-    """The engine's waiting queue is full; answer 429 with `retry_after_s`."""
-
-    def __init__(self, message: str = "server overloaded", retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class EngineUnavailableError(RuntimeError):
-    """No engine can take the request right now (none started, all replicas gone); answer 503."""
-
-
 class EngineClient(Protocol):
     def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
         """Stream deltas; closing the iterator early aborts the request."""

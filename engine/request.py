@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from engine.errors import InvalidRequest
+
 
 class RequestClass(StrEnum):
     """Interactive requests are scheduled before bulk ones; bulk never starves."""
@@ -28,7 +30,7 @@ class FinishReason(StrEnum):
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """Per-request decoding options. `validate()` raises `ValueError(param, message)`.
+    """Per-request decoding options. `validate()` raises `InvalidRequest(param, message)`.
 
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `stop` strings never appear in the output text; `stop_token_ids` and EOS end the request
@@ -69,7 +71,7 @@ class SamplingParams:
         )
         for param, ok, message in checks:
             if not ok:
-                raise ValueError(param, f"{param} {message}")
+                raise InvalidRequest(param, f"{param} {message}")
 
     @property
     def greedy(self) -> bool:

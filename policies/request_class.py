@@ -11,6 +11,7 @@ from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
+from engine.errors import InvalidRequest
 from engine.request import RequestClass
 from policies.base import Policy, register
 
@@ -35,7 +36,7 @@ def _parse_class(value: str, param: str) -> RequestClass:
         return RequestClass(value.strip().lower())
     except ValueError:
         choices = ", ".join(c.value for c in RequestClass)
-        raise ValueError(param, f"{param} must be one of: {choices} (got {value!r})") from None
+        raise InvalidRequest(param, f"{param} must be one of: {choices} (got {value!r})") from None
 
 
 @register("header")

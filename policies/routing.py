@@ -12,7 +12,7 @@ history is computed once and then read from that replica's prefix cache: prefill
 the new tokens, which is what TTFT is made of. It gives up the affinity when that replica's
 queue is longer than the shortest by more than `max_imbalance` requests, so one hot prefix
 cannot pile every request onto one replica. The block hashes are the engine's own
-(`engine.block_hash`), chained, so a match on block i means the whole prefix up to i matched.
+(`engine.kv.block_hash`), chained, so a match on block i means the whole prefix up to i matched.
 
 `least_loaded` ranks by queue length only (ties broken at random).
 
@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_hash import hash_prefix_blocks
+from engine.kv.block_hash import hash_prefix_blocks
 from engine.request import Request
 from policies.base import Policy, register
 

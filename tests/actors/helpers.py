@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from actors.settings import AppConfig
-from engine.demo.paths import ModelNotFoundError, resolve_model
+from demo.paths import ModelNotFoundError, resolve_model
 
 
 def require_demo_model() -> None:

@@ -14,7 +14,7 @@ from actors.cluster import (
     ReplicaView,
 )
 from app.metrics import Metrics
-from engine.protocol import EngineUnavailableError
+from engine.errors import Unavailable
 from engine.request import Request
 
 
@@ -115,7 +115,7 @@ def test_cache_refuses_only_when_fresh_and_never_for_full_queues():
     cache = make_cache()
     cache.update(view_of(make_report("a")), now=10.0)
     cache.update(view_of(), now=11.0)
-    with pytest.raises(EngineUnavailableError):
+    with pytest.raises(Unavailable):
         cache.admit(REQUEST, now=11.5)
     cache.admit(REQUEST, now=13.5)  # stale: admits, Serve and the engine decide
     cache.update(view_of(make_report("a", waiting=99)), now=20.0)
@@ -129,7 +129,7 @@ def test_cache_answers_unavailable_once_replicas_were_seen_and_are_gone():
     cache.update(view_of(make_report("a")), now=2.0)
     assert cache.stats()["num_replicas"] == 1
     cache.update(view_of(), now=3.0)
-    with pytest.raises(EngineUnavailableError):
+    with pytest.raises(Unavailable):
         cache.admit(REQUEST, now=3.0)
     assert cache.stats() == {
         "num_replicas": 0,

@@ -18,7 +18,7 @@ from tests.actors.helpers import require_demo_model, small_config
 pytestmark = pytest.mark.slow
 
 
-class FakeScheduler:
+class FakeControlPlane:
     """Records what the replica pushes (`handle.report_replica.remote(report)`)."""
 
     def __init__(self) -> None:
@@ -43,12 +43,12 @@ class FakeScheduler:
         return Method
 
 
-async def make_replica(scheduler: FakeScheduler | None = None, **sections: Any) -> Any:
+async def make_replica(control_plane: FakeControlPlane | None = None, **sections: Any) -> Any:
     require_demo_model()
     cls = ModelReplica.func_or_class  # the plain class under @serve.deployment
     replica = cls.__new__(cls)
     config = small_config(replica={"stats_interval_s": 0.05}, **sections)
-    await replica.__init__(config, scheduler)
+    await replica.__init__(config, control_plane)
     return replica
 
 
@@ -124,13 +124,13 @@ async def test_cancellation_aborts_the_request_and_frees_its_blocks():
 
 
 async def test_stats_are_pushed_and_health_fails_once_the_engine_loop_is_gone():
-    scheduler = FakeScheduler()
-    replica = await make_replica(scheduler)
+    control_plane = FakeControlPlane()
+    replica = await make_replica(control_plane)
     for _ in range(100):
-        if len(scheduler.reports) >= 2:
+        if len(control_plane.reports) >= 2:
             break
         await asyncio.sleep(0.02)
-    report = scheduler.reports[-1]
+    report = control_plane.reports[-1]
     assert (report.replica_id, report.model, report.healthy) == (replica.replica_id, "demo", True)
     assert "kv_cache_usage_perc" in report.stats
     routing = await replica.record_routing_stats()
@@ -152,4 +152,4 @@ async def test_stats_are_pushed_and_health_fails_once_the_engine_loop_is_gone():
     items = [i async for i in replica.generate(request("x", [1, 2, 3]))]
     assert len(items) == 1 and items[0].kind is ErrorKind.UNAVAILABLE
     await replica.__del__()
-    assert scheduler.removed == [replica.replica_id]
+    assert control_plane.removed == [replica.replica_id]

@@ -12,7 +12,7 @@ from ray.serve.exceptions import BackPressureError
 
 from actors.messages import ErrorKind, ReplicaError
 from actors.replica_client import ReplicaClient
-from engine.protocol import EngineUnavailableError, QueueFullError
+from engine.errors import InvalidRequest, QueueFull, Unavailable
 from engine.request import FinishReason, Request, TokenDelta
 
 
@@ -96,17 +96,17 @@ async def test_deltas_pass_through_and_a_finished_call_is_not_cancelled():
     [
         (
             ReplicaError(ErrorKind.QUEUE_FULL, "full", retry_after_s=7.0),
-            QueueFullError,
+            QueueFull,
             lambda e: e.retry_after_s == 7.0,
         ),
         (
             ReplicaError(ErrorKind.INVALID, "too long", param="prompt"),
-            ValueError,
-            lambda e: e.args == ("prompt", "too long"),
+            InvalidRequest,
+            lambda e: (e.param, e.message) == ("prompt", "too long"),
         ),
         (
             ReplicaError(ErrorKind.UNAVAILABLE, "loop died"),
-            EngineUnavailableError,
+            Unavailable,
             lambda e: "loop died" in str(e),
         ),
     ],
@@ -124,10 +124,10 @@ async def test_replica_refusals_become_the_engines_own_exceptions(error, expecte
     [
         (
             BackPressureError(num_queued_requests=9, max_queued_requests=8, retry_after_s=2.0),
-            QueueFullError,
+            QueueFull,
         ),
-        (ActorDiedError(), EngineUnavailableError),
-        (RayTaskError("generate", "traceback", ActorDiedError()), EngineUnavailableError),
+        (ActorDiedError(), Unavailable),
+        (RayTaskError("generate", "traceback", ActorDiedError()), Unavailable),
         (RayTaskError("generate", "traceback", KeyError("boom")), RuntimeError),
     ],
 )
@@ -165,11 +165,11 @@ async def test_abort_cancels_the_request_in_flight():
 
 async def test_admission_refuses_before_anything_is_sent():
     def full(request: Request) -> None:
-        raise QueueFullError(retry_after_s=3.0)
+        raise QueueFull(retry_after_s=3.0)
 
     handle = FakeHandle(FakeResponse([delta(1, FinishReason.STOP)]))
     client = ReplicaClient(handle, admit=full, stats=lambda: {"num_replicas": 2})
-    with pytest.raises(QueueFullError):
+    with pytest.raises(QueueFull):
         await drain(client)
     assert handle.sent == []
     assert client.stats() == {"num_replicas": 2}
@@ -264,7 +264,7 @@ async def test_channel_refusals_and_failures_become_the_engines_exceptions(chann
     client = ReplicaClient(
         ChannelHandle(lambda a: ChannelCall(pool, a, [], result=refusal)), channel=server
     )
-    with pytest.raises(QueueFullError) as info:
+    with pytest.raises(QueueFull) as info:
         await drain(client)
     assert info.value.retry_after_s == 4.0
 
@@ -274,7 +274,7 @@ async def test_channel_refusals_and_failures_become_the_engines_exceptions(chann
     )
     stream = client.generate(REQUEST)
     assert (await anext(stream)).text == "t1"  # what arrived before the failure is delivered
-    with pytest.raises(EngineUnavailableError):
+    with pytest.raises(Unavailable):
         await anext(stream)
 
 

@@ -40,7 +40,7 @@ def config(token_path: str) -> Any:
             "health_check_period_s": 1.0,
         },
         ingress={"sync_interval_s": 0.2, "token_path": token_path},
-        scheduler={"report_ttl_s": TTL_S},
+        control_plane={"report_ttl_s": TTL_S},
     )
 
 

@@ -26,7 +26,7 @@ def test_shipped_serve_config_is_valid_and_fits_two_cores():
     assert config.replica.autoscaling.min_replicas >= 1
     cpus = (
         config.ingress.num_cpus * config.ingress.num_replicas
-        + config.scheduler.num_cpus
+        + config.control_plane.num_cpus
         + config.replica.num_cpus * config.replica.autoscaling.max_replicas
     )
     assert cpus <= 2.0
@@ -103,8 +103,8 @@ def test_the_application_wires_three_deployments():
     app = application(load_config({"replica": {"autoscaling": {"max_replicas": 1}}}))
     ingress = app._bound_deployment  # Serve has no public accessor for a bound graph
     assert ingress.name == "Ingress"
-    _, replicas, scheduler = (getattr(a, "_bound_deployment", a) for a in ingress.init_args)
-    assert (replicas.name, scheduler.name) == ("ModelReplica", "Scheduler")
+    _, replicas, control_plane = (getattr(a, "_bound_deployment", a) for a in ingress.init_args)
+    assert (replicas.name, control_plane.name) == ("ModelReplica", "ControlPlane")
     autoscaling = replicas._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 1)
     router = replicas._deployment_config.request_router_config

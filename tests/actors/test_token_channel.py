@@ -16,6 +16,7 @@ from actors.token_channel import (
     encode_delta,
     frame,
 )
+from engine.errors import InvalidRequest
 from engine.request import FinishReason, Timings, TokenDelta, TokenLogprob
 
 
@@ -192,7 +193,7 @@ async def test_replicas_on_other_nodes_use_tcp():
 
 async def test_a_request_id_can_be_open_only_once(server):
     server.open("dup")
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         server.open("dup")
     server.close("dup")
     server.open("dup")

@@ -19,7 +19,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.protocol import EngineUnavailableError, QueueFullError
+from engine.errors import QueueFull, Unavailable
 from engine.request import FinishReason, Request, Timings, TokenDelta, TokenLogprob
 
 CHAT_TEMPLATE = (
@@ -158,8 +158,8 @@ def _logprobs(ids: list[int], k: int | None) -> list[TokenLogprob] | None:
 
 
 def queue_full() -> Script:
-    return Script(raise_first=QueueFullError("server overloaded", retry_after_s=2.5))
+    return Script(raise_first=QueueFull("server overloaded", retry_after_s=2.5))
 
 
 def unavailable() -> Script:
-    return Script(raise_first=EngineUnavailableError("no replica is ready"))
+    return Script(raise_first=Unavailable("no replica is ready"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from app.chat import chat_prompt_ids
-from app.schemas import ChatMessage
+from app.openai.chat import chat_prompt_ids
+from app.openai.schemas import ChatMessage
 from engine.request import RequestClass
 from tests.app.fakes import FakeEngine, Script, chat_tokenizer, completion_tokens
 from tests.app.helpers import MAX_MODEL_LEN, chat_body, make_app, make_client, parse_sse

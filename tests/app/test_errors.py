@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.errors import InvalidRequest
 from engine.request import FinishReason
 from tests.app.fakes import FakeEngine, Script, queue_full, unavailable
 from tests.app.helpers import MAX_MODEL_LEN, chat_body, make_app, make_client, parse_sse
@@ -80,7 +81,7 @@ async def test_context_overflow_is_400():
 
 
 async def test_engine_value_error_is_400():
-    script = Script(raise_first=ValueError("prompt", "token ids must be in [0, 10)"))
+    script = Script(raise_first=InvalidRequest("prompt", "token ids must be in [0, 10)"))
     response, _ = await request(FakeEngine(script=script), json=chat_body())
     error = error_of(response, 400)
     assert error["param"] == "prompt" and "token ids" in error["message"]

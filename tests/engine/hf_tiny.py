@@ -14,9 +14,10 @@ import torch
 import transformers
 
 from engine.config import CacheConfig, EngineConfig
-from engine.model_runner import ModelRunner
 from engine.request import Request
-from engine.sequence import ScheduledChunk, SchedulerOutput, Sequence
+from engine.runner.model_runner import ModelRunner
+from engine.sched.output import ScheduledChunk, SchedulerOutput
+from engine.sequence import Sequence
 
 VOCAB = 256
 COMMON = dict(

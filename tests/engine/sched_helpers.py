@@ -6,10 +6,11 @@ import zlib
 from collections.abc import Sequence as Seq
 
 from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv.cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestClass, SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import SchedulerOutput, Sequence
+from engine.sched.output import SchedulerOutput
+from engine.sched.scheduler import Scheduler
+from engine.sequence import Sequence
 
 BLOCK = 16
 

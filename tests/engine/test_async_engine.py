@@ -8,8 +8,8 @@ import pytest
 
 from engine.async_engine import AsyncEngine, ReaderStalledError
 from engine.config import SchedulerConfig
+from engine.errors import InvalidRequest, QueueFull
 from engine.llm_engine import LLMEngine
-from engine.protocol import QueueFullError
 from engine.request import FinishReason
 from tests.engine.engine_fixture import greedy, make_request, prompt_ids, tiny_config
 
@@ -129,7 +129,7 @@ async def test_queue_full_raises_before_streaming() -> None:
         await until(lambda: engine.stats()["num_requests_running"]["interactive"] == 1)
         busy += [start(1), start(2)]  # the pool seats one; these two fill the queue
         await until(lambda: engine.stats()["num_requests_waiting"]["interactive"] == 2)
-        with pytest.raises(QueueFullError) as info:
+        with pytest.raises(QueueFull) as info:
             await collect(engine, make_request("over", prompt_ids(9, 8), greedy(4)))
         assert info.value.retry_after_s >= 1
         assert not any(t.done() for t in busy)  # nothing already admitted was harmed
@@ -140,10 +140,10 @@ async def test_queue_full_raises_before_streaming() -> None:
         await engine.shutdown()
 
 
-async def test_invalid_request_raises_value_error() -> None:
+async def test_invalid_request_raises_invalid_request() -> None:
     engine = await make_engine()
     try:
-        with pytest.raises(ValueError):
+        with pytest.raises(InvalidRequest):
             await collect(engine, make_request("big", [5] * 1000, greedy(4)))
     finally:
         await engine.shutdown()

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from engine.block_hash import hash_block, hash_prefix_blocks, model_key
-from engine.block_pool import BlockPool
+from engine.kv.block_hash import hash_block, hash_prefix_blocks, model_key
+from engine.kv.block_pool import BlockPool
 
 # -- hashes -------------------------------------------------------------------------------------
 
@@ -42,7 +42,7 @@ def test_hash_prefix_blocks_matches_the_chain_and_skips_the_partial_block():
 
 def test_hashes_are_the_same_in_another_process():
     code = (
-        "from engine.block_hash import hash_block, model_key;"
+        "from engine.kv.block_hash import hash_block, model_key;"
         "print(hash_block(None, [1, 2, 3], model_key('demo')))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -6,7 +6,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output.detokenizer import IncrementalDetokenizer
 from tests.engine.tokenizer_fixture import (
     build_sentencepiece_tokenizer,
     build_tokenizer,

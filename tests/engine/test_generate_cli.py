@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.demo.paths import ModelNotFoundError, resolve_model
+from demo.paths import ModelNotFoundError, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import engine.kv_cache_manager as kvm
-from engine.block_hash import hash_prefix_blocks
-from engine.kv_cache_manager import KVCacheManager
+import engine.kv.cache_manager as kvm
+from engine.kv.block_hash import hash_prefix_blocks
+from engine.kv.cache_manager import KVCacheManager
 from tests.engine.sched_helpers import BLOCK, make_seq
 
 SHARED = list(range(1000, 1000 + 3 * BLOCK))  # a 3-block system prompt

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.errors import InvalidRequest
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, RequestClass, SamplingParams
 from tests.engine.engine_fixture import (
@@ -152,13 +153,13 @@ def test_seeded_sampling_is_reproducible(engine: LLMEngine) -> None:
 
 
 def test_bad_requests_are_rejected(engine: LLMEngine) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         engine.add_request(make_request("long", [5] * 600, greedy(4)))
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         engine.add_request(make_request("empty", [], greedy(4)))
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         engine.add_request(make_request("vocab", [10**6], greedy(4)))
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         engine.add_request(make_request("temp", [5, 6], SamplingParams(temperature=-1)))
     assert not engine.has_unfinished()
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig
-from engine.model_runner import ModelRunner
-from engine.sequence import ScheduledChunk, SchedulerOutput, Sequence
+from engine.runner.model_runner import ModelRunner
+from engine.sched.output import ScheduledChunk, SchedulerOutput
+from engine.sequence import Sequence
 from tests.engine.hf_tiny import (
     FAMILIES,
     greedy_with_hf,

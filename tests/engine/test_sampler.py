@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, _top_p_drop
+from engine.sample.sampler import Sampler, _top_p_drop
 from engine.sequence import Sequence
 
 V = 10

@@ -6,10 +6,11 @@ import random
 
 import pytest
 
-from engine.protocol import QueueFullError
+from engine.errors import InvalidRequest, QueueFull
 from engine.request import FinishReason, RequestClass
-from engine.scheduler import Scheduler
-from engine.sequence import SchedulerOutput, Sequence, SequenceStatus
+from engine.sched.output import SchedulerOutput
+from engine.sched.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
 from tests.engine.sched_helpers import (
     BLOCK,
     FakeClock,
@@ -54,15 +55,15 @@ def test_prefill_then_decode_and_timings():
 
 def test_add_rejects_bad_prompts_and_duplicates():
     sched = make_scheduler(max_model_len=64)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         sched.add(make_seq("long", 64))
     sched.add(make_seq("ok", 63))
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         sched.add(make_seq("ok", 5))
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         sched.add(make_seq("empty", []))
     small_pool = make_scheduler(num_blocks=2, max_model_len=4096)  # 32 token slots
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         small_pool.add(make_seq("too-big-for-pool", 32))
 
 
@@ -78,11 +79,11 @@ def test_queue_limit_raises_queue_full_with_a_retry_estimate():
         sched.finish(seq, FinishReason.STOP)
     for seq in make_requests(3, 8, prefix="w"):
         sched.add(seq)
-    with pytest.raises(QueueFullError) as err:
+    with pytest.raises(QueueFull) as err:
         sched.add(make_seq("over", 8))
     assert err.value.retry_after_s == pytest.approx(3.0)  # 3 waiting at 1 finish/s
     clock.now = 8.0  # nothing finished since: the rate estimate halves
-    with pytest.raises(QueueFullError) as err:
+    with pytest.raises(QueueFull) as err:
         sched.add(make_seq("over", 8))
     assert err.value.retry_after_s == pytest.approx(6.0)
     run_step(sched)  # admits the waiting ones

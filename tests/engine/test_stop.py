@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.output.stop import check_stop
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sequence import Sequence
-from engine.stop import check_stop
 
 EOS = (2, 7)
 PROMPT = [10, 11, 12]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from starlette.datastructures import Headers
 
+from engine.errors import InvalidRequest
 from engine.request import RequestClass
 from policies.base import create
 from policies.request_class import RequestClassPolicy
@@ -36,9 +37,9 @@ def test_header_wins_over_service_tier_case_insensitively():
 
 
 def test_invalid_header_names_the_header():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(InvalidRequest) as err:
         classify({"x-firstlight-class": "urgent"})
-    param, message = err.value.args
+    param, message = err.value.param, err.value.message
     assert param == "x-firstlight-class" and "interactive" in message
 
 

@@ -1,7 +1,7 @@
 """Where models live. Never touches the network.
 
 `firstlight_home()` is `$FIRSTLIGHT_HOME`, else `~/.cache/firstlight`. The built-in demo
-models live in `<home>/models/demo` and `<home>/models/demo-draft` (see `engine.demo.build`);
+models live in `<home>/models/demo` and `<home>/models/demo-draft` (see `demo.build`);
 any other model name is a local Hugging Face directory.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engine.models.resolve import ModelNotFoundError, local_model_dir
+
+__all__ = ["DEMO_MODELS", "ModelNotFoundError", "demo_dir", "firstlight_home", "resolve_model"]
+
 DEMO_MODELS: tuple[str, ...] = ("demo", "demo-draft")
 MANIFEST = "firstlight_demo.json"
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The named model has no usable local directory. The message says how to get one."""
 
 
 def firstlight_home() -> Path:
@@ -42,15 +42,12 @@ def resolve_model(name_or_path: str) -> Path:
         if not (path / "config.json").is_file() or not (path / MANIFEST).is_file():
             raise ModelNotFoundError(
                 f"the {name_or_path!r} model is not built yet (looked in {path}); "
-                "run `make demo` or `python -m engine.demo.build` (about 3 minutes on CPU)"
+                "run `make demo` or `python -m demo.build` (about 3 minutes on CPU)"
             )
         return path
-    path = Path(name_or_path).expanduser()
-    if not path.is_dir():
+    if not Path(name_or_path).expanduser().is_dir():
         raise ModelNotFoundError(
             f"model {name_or_path!r} is neither a built-in model {DEMO_MODELS} "
             "nor a local directory"
         )
-    if not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"model directory {path} has no config.json")
-    return path
+    return local_model_dir(name_or_path)

@@ -1,6 +1,6 @@
 """Build the embedded demo models: a small Llama target and a tiny draft, from nothing.
 
-    python -m engine.demo.build [--force] [--home DIR] [--seed N] [--threads N]
+    python -m demo.build [--force] [--home DIR] [--seed N] [--threads N]
 
 Generates the support-desk corpus, trains the tokenizer and both models on CPU (about three
 minutes on two idle cores), evaluates them, and writes `<home>/models/demo` and
@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engine.demo import corpus as corpus_mod
-from engine.demo.evaluate import EvalReport, evaluate
-from engine.demo.paths import DEMO_MODELS, MANIFEST, firstlight_home
-from engine.demo.tokenizer import encode_chats, save_tokenizer, special_ids, train_tokenizer
-from engine.demo.train import ModelSpec, TokenStream, TrainResult, train_model
+from demo import corpus as corpus_mod
+from demo.evaluate import EvalReport, evaluate
+from demo.paths import DEMO_MODELS, MANIFEST, firstlight_home
+from demo.tokenizer import encode_chats, save_tokenizer, special_ids, train_tokenizer
+from demo.train import ModelSpec, TokenStream, TrainResult, train_model
 
 RECIPE_VERSION = 2  # bump whenever anything below changes what gets built
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")

@@ -76,7 +76,7 @@ AREA_NAMES: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
 
 def all_topics() -> tuple[Topic, ...]:
     """Every support topic, in a fixed order (the corpus generator depends on the order)."""
-    from engine.demo.topics_account import ACCOUNT_TOPICS
-    from engine.demo.topics_billing import BILLING_TOPICS
+    from demo.topics_account import ACCOUNT_TOPICS
+    from demo.topics_billing import BILLING_TOPICS
 
     return ACCOUNT_TOPICS + BILLING_TOPICS

@@ -1,4 +1,4 @@
-"""The Scheduler deployment: the control plane, one replica, never in the token path.
+"""The ControlPlane deployment: one replica, never in the token path.
 
 It only answers periodic pushes (ModelReplica stats, ingress metrics) and hands back the
 cluster view; nothing calls it per request or per token, and no caller blocks a request on
@@ -17,12 +17,12 @@ from actors.cluster import (
     IngressReport,
     ReplicaReport,
 )
-from actors.settings import SchedulerSettings
+from actors.settings import ControlPlaneSettings
 
 
-@serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=1000)
-class Scheduler:
-    def __init__(self, settings: SchedulerSettings) -> None:
+@serve.deployment(name="ControlPlane", num_replicas=1, max_ongoing_requests=1000)
+class ControlPlane:
+    def __init__(self, settings: ControlPlaneSettings) -> None:
         self.state = ClusterState(ttl_s=settings.report_ttl_s)
 
     async def report_replica(self, report: ReplicaReport) -> None:

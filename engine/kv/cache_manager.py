@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_hash import hash_block
-from engine.block_pool import BlockPool
+from engine.kv.block_hash import hash_block
+from engine.kv.block_pool import BlockPool
 from engine.sequence import Sequence
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.demo.topic import FollowUp, Topic
+from demo.topic import FollowUp, Topic
 
 _REFUND_TIME = FollowUp(
     questions=(

@@ -15,8 +15,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from engine.demo import phrasing, smalltalk
-from engine.demo.topic import Topic, Utterance, all_topics
+from demo import phrasing, smalltalk
+from demo.topic import Topic, Utterance, all_topics
 
 SYSTEM_PROMPTS: tuple[str, ...] = (
     "You are a helpful support assistant.",

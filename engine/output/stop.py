@@ -1,6 +1,6 @@
 """Token-level stop checks, applied once per new token after it is appended to the sequence.
 
-Stop *strings* are the detokenizer's business (`engine.detokenizer`): they need text.
+Stop *strings* are the detokenizer's business (`engine.output.detokenizer`): they need text.
 
 Contract:
 

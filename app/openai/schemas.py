@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from engine.errors import InvalidRequest
 from engine.request import SamplingParams
 
 
@@ -159,7 +160,7 @@ class ChatCompletionRequest(_GenerationRequest):
         """Engine `logprobs`: None for none, else the number of alternatives (may be 0)."""
         if not self.logprobs:
             if self.top_logprobs:
-                raise ValueError("top_logprobs", "top_logprobs requires logprobs: true")
+                raise InvalidRequest("top_logprobs", "top_logprobs requires logprobs: true")
             return None
         return self.top_logprobs or 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 
-from engine.demo.topic import AREA_NAMES
+from demo.topic import AREA_NAMES
 
 ACTION_TEMPLATES: tuple[str, ...] = (
     "How do I {a}?",

@@ -1,7 +1,7 @@
 """The embedded demo model: corpus, tokenizer, training recipe, paths, and the built pair.
 
 The tests on the built models use the build in `$FIRSTLIGHT_HOME` (`make test` runs
-`python -m engine.demo.build` first); the module fixture builds it when it is missing.
+`python -m demo.build` first); the module fixture builds it when it is missing.
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.demo import corpus, phrasing
-from engine.demo.build import Recipe, build, is_built, read_manifest
-from engine.demo.evaluate import answer_texts, has_repeated_run, on_topic
-from engine.demo.paths import (
+from demo import corpus, phrasing
+from demo.build import Recipe, build, is_built, read_manifest
+from demo.evaluate import answer_texts, has_repeated_run, on_topic
+from demo.paths import (
     DEMO_MODELS,
     MANIFEST,
     ModelNotFoundError,
     firstlight_home,
     resolve_model,
 )
-from engine.demo.smalltalk import FALLBACK_ANSWER
-from engine.demo.tokenizer import (
+from demo.smalltalk import FALLBACK_ANSWER
+from demo.tokenizer import (
     ASSISTANT,
     BOS,
     END,
@@ -33,8 +33,8 @@ from engine.demo.tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
-from engine.demo.topic import all_topics
-from engine.demo.train import ModelSpec, TokenStream, lr_at, train_model
+from demo.topic import all_topics
+from demo.train import ModelSpec, TokenStream, lr_at, train_model
 
 
 def make_corpus(n: int = 300, seed: int = 0) -> list[corpus.Conversation]:
@@ -221,7 +221,7 @@ def test_repetition_and_topic_checks() -> None:
 def test_paths_resolve_demo_and_local_dirs(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("FIRSTLIGHT_HOME", str(tmp_path / "home"))
     assert firstlight_home() == tmp_path / "home"
-    with pytest.raises(ModelNotFoundError, match=r"engine\.demo\.build"):
+    with pytest.raises(ModelNotFoundError, match=r"demo\.build"):
         resolve_model("demo")
     with pytest.raises(ModelNotFoundError, match="neither"):
         resolve_model(str(tmp_path / "nowhere"))
@@ -300,7 +300,7 @@ def test_interrupted_build_leaves_the_old_models(tmp_path: Path, monkeypatch) ->
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("engine.demo.build.train_model", crash)
+    monkeypatch.setattr("demo.build.train_model", crash)
     with pytest.raises(KeyboardInterrupt):
         build(home, seed=1, force=True, progress=False, recipe=make_micro_recipe())
     assert is_built(home, 1)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.errors import bad_request
-from app.schemas import ChatMessage
+from app.openai.schemas import ChatMessage
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

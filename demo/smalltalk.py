@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from engine.demo.topic import Utterance
+from demo.topic import Utterance
 
 SMALL_TALK: tuple[Utterance, ...] = (
     Utterance(

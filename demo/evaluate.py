@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.demo.corpus import EvalPrompt
+from demo.corpus import EvalPrompt
 
 _WORD = re.compile(r"[a-z0-9']+")
 

@@ -17,7 +17,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.loader import ModelInfo, load_model, read_model_info
-from engine.sequence import SchedulerOutput
+from engine.sched.output import SchedulerOutput
 from kernels.interface import AttentionMetadata
 from kernels.registry import select_backend
 

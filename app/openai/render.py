@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import EngineRequestError
-from app.logprobs import TokenText, chat_logprobs, completion_logprobs
+from app.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
 from engine.request import FinishReason, Timings, TokenDelta, TokenLogprob
 
 

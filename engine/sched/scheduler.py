@@ -35,10 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager, KVCacheStats
-from engine.protocol import QueueFullError
+from engine.errors import InvalidRequest, QueueFull
+from engine.kv.cache_manager import KVCacheManager, KVCacheStats
 from engine.request import FinishReason, RequestClass
-from engine.sequence import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
+from engine.sched.output import ScheduledChunk, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
 
 _CLASSES = (RequestClass.INTERACTIVE, RequestClass.BULK)
 
@@ -107,17 +108,17 @@ class Scheduler:
     # -- intake and lookup ------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` at the back of its class; QueueFullError past `max_waiting`."""
+        """Queue `seq` at the back of its class; QueueFull past `max_waiting`."""
         n = seq.num_tokens
         if n == 0:
-            raise ValueError("prompt", "the prompt is empty")
+            raise InvalidRequest("prompt", "the prompt is empty")
         limit = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size) - 1
         if n > limit:
-            raise ValueError("prompt", f"the prompt has {n} tokens; at most {limit} fit")
+            raise InvalidRequest("prompt", f"the prompt has {n} tokens; at most {limit} fit")
         if seq.request_id in self._seqs:
-            raise ValueError("request_id", f"request id {seq.request_id!r} is already in use")
+            raise InvalidRequest("request_id", f"request id {seq.request_id!r} is already in use")
         if self.num_waiting >= self.config.max_waiting:
-            raise QueueFullError(retry_after_s=self._retry_after_s())
+            raise QueueFull(retry_after_s=self._retry_after_s())
         seq.status = SequenceStatus.WAITING
         self.waiting[seq.request_class].append(seq)
         self._seqs[seq.request_id] = seq
