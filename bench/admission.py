@@ -1,0 +1,208 @@
+"""Overload through the real application: how fast refusals arrive, and who gets refused.
+
+    python bench/admission.py [--burst 600] [--bulk 300] [--interactive 16]
+
+Starts (and stops) its own Ray on 127.0.0.1 with the application of `serve_config.yaml`
+(one model replica, so the queue bounds are reached), then, with a raw streaming HTTP
+client:
+
+  burst        `--burst` streamed chats sent at once; for every response the time from send
+               to its status line. A 429 must arrive at once (not after queueing behind the
+               work that is admitted), with a `Retry-After` header.
+  bulk flood   `--bulk` streamed bulk chats (`service_tier: flex`) sent at once, then, while
+               they are queued, `--interactive` interactive chats: how many interactive ones
+               are refused (must be 0 while interactive room remains).
+
+Progress goes to stderr; the LAST stdout line is one JSON object:
+`refusal_p50_ms` / `refusal_p95_ms` (send → 429 status), `admitted_ttft_p50_ms`,
+`refused`, `admitted`, `retry_after_values`, `interactive_refused_under_bulk_flood`,
+`bulk_refused`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PROMPT = "Can I pause my annual subscription?"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def start_serve(args: dict[str, Any], port: int, temp_dir: str) -> None:
+    import ray
+    from ray import serve
+
+    from actors.builder import application, load_config
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    os.environ["PYTHONPATH"] = str(ROOT)
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(
+        address="local",
+        namespace="firstlight-bench-admission",
+        num_cpus=max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=temp_dir,
+    )
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port},
+        controller_options=config.get("controller_options"),
+    )
+    serve.run(application(load_config(args)), name="firstlight", route_prefix="/")
+
+
+def stop_serve() -> None:
+    import ray
+    from ray import serve
+
+    with contextlib.suppress(Exception):
+        serve.shutdown()
+    ray.shutdown()
+
+
+def body(max_tokens: int, tier: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if tier is not None:
+        out["service_tier"] = tier
+    return out
+
+
+async def one(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Status, time to the status line, time to the first token chunk (admitted only)."""
+    start = time.perf_counter()
+    async with client.stream("POST", url, json=payload) as response:
+        status_s = time.perf_counter() - start
+        out: dict[str, Any] = {
+            "status": response.status_code,
+            "status_s": status_s,
+            "retry_after": response.headers.get("retry-after"),
+        }
+        if response.status_code != 200:
+            await response.aread()
+            return out
+        async for chunk in response.aiter_raw():
+            if b'"content"' in chunk and "ttft_s" not in out:
+                out["ttft_s"] = time.perf_counter() - start
+    return out
+
+
+async def measure(base: str, opts: argparse.Namespace) -> dict[str, Any]:
+    url = base + "/v1/chat/completions"
+    limits = httpx.Limits(
+        max_connections=max(opts.burst, opts.bulk) + opts.interactive + 64,
+        max_keepalive_connections=64,
+    )
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        log("warm-up")
+        for _ in range(3):
+            await one(client, url, body(4))
+
+        log(f"burst: {opts.burst} streams at once")
+        results = await asyncio.gather(
+            *(one(client, url, body(opts.tokens)) for _ in range(opts.burst))
+        )
+        refused = [r for r in results if r["status"] == 429]
+        admitted = [r for r in results if r["status"] == 200]
+        other = sorted({r["status"] for r in results} - {200, 429})
+
+        log(f"bulk flood: {opts.bulk} flex streams, then {opts.interactive} interactive")
+        bulk = [
+            asyncio.ensure_future(one(client, url, body(opts.tokens, "flex")))
+            for _ in range(opts.bulk)
+        ]
+        await asyncio.sleep(opts.settle_s)  # let the flood fill the queues
+        interactive = await asyncio.gather(
+            *(one(client, url, body(8)) for _ in range(opts.interactive))
+        )
+        bulk_results = await asyncio.gather(*bulk)
+
+    return {
+        "refusal_p50_ms": round(1e3 * statistics.median([r["status_s"] for r in refused]), 1)
+        if refused
+        else None,
+        "refusal_p95_ms": round(1e3 * percentile([r["status_s"] for r in refused], 0.95), 1)
+        if refused
+        else None,
+        "admitted_ttft_p50_ms": round(
+            1e3 * statistics.median([r["ttft_s"] for r in admitted if "ttft_s" in r]), 1
+        )
+        if admitted
+        else None,
+        "refused": len(refused),
+        "admitted": len(admitted),
+        "other_statuses": other,
+        "retry_after_values": sorted({r["retry_after"] for r in refused if r["retry_after"]}),
+        "interactive_refused_under_bulk_flood": sum(r["status"] != 200 for r in interactive),
+        "bulk_refused": sum(r["status"] == 429 for r in bulk_results),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--burst", type=int, default=600)
+    p.add_argument("--bulk", type=int, default=300)
+    p.add_argument("--interactive", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--settle-s", type=float, default=3.0)
+    opts = p.parse_args()
+    args = dict(yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"])
+    args["ingress"] = {**args.get("ingress", {}), "channel_tcp_host": "127.0.0.1"}
+    args["replica"] = {
+        **args.get("replica", {}),
+        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+    }
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="fl-bench-ray-")
+    try:
+        log("starting Ray Serve")
+        start_serve(args, port, temp_dir)
+        result = asyncio.run(measure(f"http://127.0.0.1:{port}", opts))
+    finally:
+        stop_serve()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
