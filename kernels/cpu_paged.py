@@ -8,8 +8,8 @@ GQA group. Multi-token queries (prefill chunks) keep the reference's SDPA path.
 
 The kernel is compiled on first use with the machine's C++ compiler (torch's cpp_extension,
 `-O3 -march=native`) into `$FIRSTLIGHT_HOME/torch_extensions`, keyed by the source, the CPU
-flags and the torch version. When compiling is impossible the backend reports itself
-unsupported and the registry falls back to the reference.
+flags, the source path and the torch version. When compiling is impossible the backend
+reports why (`why_not`) and the registry falls back to the reference.
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ def _extension() -> ModuleType | str:
         from torch.utils import cpp_extension
 
         source = _SOURCE.read_text()
-        key = hashlib.sha1(f"{source}{_cpu_flags()}{torch.__version__}".encode()).hexdigest()
+        # The source path is in the key too: checkouts sharing one cache would otherwise keep
+        # rebuilding the same directory, as its ninja file names the last checkout's source.
+        key = f"{_SOURCE}{source}{_cpu_flags()}{torch.__version__}"
+        key = hashlib.sha1(key.encode()).hexdigest()
         name = f"firstlight_cpu_paged_{key[:12]}"
         home = os.environ.get("FIRSTLIGHT_HOME") or str(Path.home() / ".cache" / "firstlight")
         build = Path(home) / "torch_extensions" / name
