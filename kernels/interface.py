@@ -125,7 +125,7 @@ class AttentionBackend(ABC, Generic[StateT]):
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ):
+    ) -> None:
         """Store this step's `k`, `v` (`[num_tokens, kv_heads, head_dim]`) at
         `meta.slot_mapping` in the layer's caches. A backend may override it (e.g. to fuse the
         write into its kernel, or for another cache layout)."""
