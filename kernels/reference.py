@@ -3,9 +3,10 @@
 The whole varlen batch runs in a handful of tensor ops per layer. Once per step, `prepare`
 turns the block tables into flat slot ids (`[B, max_k]`), the packed queries into rows of a
 padded `[B, max_q]` grid, and the sequence lengths into a boolean mask (key in range and
-bottom-right causal). Each layer then gathers K/V from the flat cache and runs torch's
-`scaled_dot_product_attention` over the padded grid (float32 accumulation, tiled on CPU, and
-rows that see no key come out as zeros, never NaN), then packs the rows back.
+bottom-right causal), kept in the step's `ReferenceState`. Each layer then gathers K/V from
+the flat cache and runs torch's `scaled_dot_product_attention` over the padded grid (float32
+accumulation, tiled on CPU, and rows that see no key come out as zeros, never NaN), then
+packs the rows back.
 
 GQA never repeats K/V: decode steps (one query per sequence) fold each KV head's query heads
 into the query rows (`[B, kv_heads, group, d]`); longer queries use SDPA's native GQA.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.interface import AttentionBackend, AttentionMetadata
+from kernels.interface import AttentionBackend, AttentionMetadata, BackendState, KVCache
 from kernels.registry import register_backend
 
 
@@ -107,15 +108,20 @@ class AttentionGroup:
 
     Mixing them would pad every decode row to the longest prefill chunk. `tokens` holds the
     packed query rows of the group (None: the group is the whole step, in order); the group's
-    own metadata tensors are kept for kernels that read the paged cache directly, and
-    `kernel_args` lets such a kernel convert them once per step instead of once per layer.
+    own metadata tensors are kept for kernels that read the paged cache directly.
     """
 
     plan: _Plan
     tokens: torch.Tensor | None
     seq_lens_k: torch.Tensor
     block_table: torch.Tensor
-    kernel_args: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass(slots=True)
+class ReferenceState(BackendState):
+    """The reference backend's per-step state: the step split into groups, each planned."""
+
+    groups: list[AttentionGroup]
 
 
 def _build_groups(
@@ -167,59 +173,50 @@ def _build_groups(
 
 
 @register_backend(priority=0)
-class TorchReferenceBackend(AttentionBackend):
+class TorchReferenceBackend(AttentionBackend[ReferenceState]):
     """Paged attention with torch ops; any device, float32/bfloat16/float16, any shape."""
 
     name = "torch_ref"
+    state_type: type[ReferenceState] = ReferenceState
 
     @classmethod
-    def supports(
+    def why_not(
         cls, *, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int
-    ) -> bool:
-        return dtype in (torch.float32, torch.bfloat16, torch.float16) and block_size > 0
+    ) -> str | None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"dtype {dtype} is not float32, bfloat16 or float16"
+        if block_size <= 0:
+            return f"block_size {block_size} is not positive"
+        return None
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Build this step's groups and plans once into `meta.extra` (idempotent)."""
-        if self.name in meta.extra:
-            return
-        meta.extra[self.name] = _build_groups(
-            meta.cu_seqlens_q,
-            meta.seq_lens_k,
-            meta.block_table,
-            meta.max_seqlen_q,
-            meta.max_seqlen_k,
-            meta.block_size,
-            int(meta.slot_mapping.shape[0]),
+    def build_state(self, meta: AttentionMetadata) -> ReferenceState:
+        """The step's groups and their plans, shared by every layer."""
+        return ReferenceState(
+            _build_groups(
+                meta.cu_seqlens_q,
+                meta.seq_lens_k,
+                meta.block_table,
+                meta.max_seqlen_q,
+                meta.max_seqlen_k,
+                meta.block_size,
+                meta.num_tokens,
+            )
         )
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        state: ReferenceState,
         *,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens_k: torch.Tensor,
-        block_table: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
         scale: float,
         out: torch.Tensor | None = None,
-        meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        groups = meta.extra.get(self.name) if meta is not None else None
-        if groups is None:
-            groups = _build_groups(
-                cu_seqlens_q,
-                seq_lens_k,
-                block_table,
-                max_seqlen_q,
-                max_seqlen_k,
-                k_cache.shape[1],
-                q.shape[0],
-            )
+        k_cache, v_cache = kv_cache
+        groups = state.groups
         if len(groups) == 1 and groups[0].tokens is None:
-            o = self._attend(groups[0], q, k_cache, v_cache, scale)
+            o = self._attend(groups[0], q, k_cache, v_cache, state, scale)
             if out is None:
                 return o
             return out.copy_(o)
@@ -227,7 +224,7 @@ class TorchReferenceBackend(AttentionBackend):
             out = torch.empty_like(q)
         for g in groups:
             assert g.tokens is not None
-            o = self._attend(g, q.index_select(0, g.tokens), k_cache, v_cache, scale)
+            o = self._attend(g, q.index_select(0, g.tokens), k_cache, v_cache, state, scale)
             out.index_copy_(0, g.tokens, o)
         return out
 
@@ -237,6 +234,7 @@ class TorchReferenceBackend(AttentionBackend):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        state: ReferenceState,
         scale: float,
     ) -> torch.Tensor:
         """Attention of one group; `q` holds exactly the group's packed query rows."""

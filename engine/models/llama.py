@@ -3,9 +3,10 @@
 Interface: `model(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden_size]`
 (after the final norm) and `model.compute_logits(hidden[N, hidden_size]) -> [N, vocab]`.
 `kv_caches[i]` is layer i's `(k_cache, v_cache)`. The forward calls `backend.prepare(meta)`
-once; then each layer projects q/k/v, applies RoPE at `positions`, writes K/V at
-`meta.slot_mapping` and runs the backend. q/k/v and gate/up are fused into one matmul each;
-`load_weights` maps HF checkpoint names onto the fused slices.
+once; then each layer projects q/k/v, applies RoPE at `positions` and hands q, k, v to
+`backend.forward`, which writes K/V at `meta.slot_mapping` and attends. q/k/v and gate/up
+are fused into one matmul each; `load_weights` maps HF checkpoint names onto the fused
+slices.
 """
 
 from __future__ import annotations
@@ -18,10 +19,7 @@ from torch import nn
 
 from engine.models.rope import RotaryEmbedding, apply_rope
 from engine.models.spec import ModelSpec
-from kernels.interface import AttentionBackend, AttentionMetadata
-from kernels.kv_write import write_kv
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from kernels.interface import AttentionBackend, AttentionMetadata, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -72,20 +70,7 @@ class Attention(nn.Module):
             qk = apply_rope(qkv[:, : nq + nkv], cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]
         v = qkv[:, nq + nkv :]
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.backend.forward(
-            q,
-            k_cache,
-            v_cache,
-            cu_seqlens_q=meta.cu_seqlens_q,
-            seq_lens_k=meta.seq_lens_k,
-            block_table=meta.block_table,
-            max_seqlen_q=meta.max_seqlen_q,
-            max_seqlen_k=meta.max_seqlen_k,
-            scale=self.scale,
-            meta=meta,
-        )
+        o = self.backend.forward(q, k, v, meta, kv_cache=kv_cache, scale=self.scale)
         return self.o_proj(o.reshape(num_tokens, nq * self.head_dim))
 
 

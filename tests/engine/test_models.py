@@ -176,3 +176,37 @@ def test_missing_or_unexpected_weights_are_refused(checkpoints, tmp_path: Path):
     save_file(bad, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="shape"):
         load_model(tmp_path, "float32", "cpu", TorchReferenceBackend())
+
+
+def test_one_metadata_object_serves_every_layer(checkpoints):
+    """The model prepares the backend's state once per step and hands every layer the same
+    metadata, with this layer's new K/V to write (the write is the backend's)."""
+    calls: list[tuple[str, object]] = []
+
+    class Recording(TorchReferenceBackend):
+        def build_state(self, meta):
+            calls.append(("build_state", meta))
+            return super().build_state(meta)
+
+        def write_kv(self, k, v, kv_cache, meta):
+            calls.append(("write_kv", meta))
+            super().write_kv(k, v, kv_cache, meta)
+
+    _, path = checkpoints["qwen3"]  # 2 layers
+    model, _ = load_model(path, "float32", "cpu", Recording())
+    n = 5
+    caches = [(torch.zeros(2, BLOCK, 1, 32), torch.zeros(2, BLOCK, 1, 32)) for _ in range(2)]
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens_k=torch.tensor([n], dtype=torch.int32),
+        block_table=torch.tensor([[1]], dtype=torch.int32),
+        slot_mapping=torch.arange(BLOCK, BLOCK + n),
+        max_seqlen_q=n,
+        max_seqlen_k=n,
+    )
+    with torch.inference_mode():
+        model(torch.tensor(random_prompt(n, seed=1)), torch.arange(n), caches, meta)
+    assert calls == [("build_state", meta), ("write_kv", meta), ("write_kv", meta)]
+    for k_cache, v_cache in caches:  # each layer's own K/V landed in block 1, nowhere else
+        assert k_cache[1, :n].abs().sum() > 0 and v_cache[1, :n].abs().sum() > 0
+        assert not k_cache[0].any() and not k_cache[1, n:].any()

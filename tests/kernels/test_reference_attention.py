@@ -1,4 +1,5 @@
-"""The torch reference backend against plain dense attention, one sequence at a time."""
+"""Every CPU backend against plain dense attention, one sequence at a time, through the
+backend interface the model uses (`prepare` once, then `forward(q, k, v, meta)` per layer)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.cpu_paged import CpuPagedBackend
-from kernels.interface import AttentionMetadata
+from kernels.cpu_paged import CpuPagedBackend, CpuPagedState
+from kernels.interface import AttentionBackend, AttentionMetadata, GraphsUnsupported
 from kernels.kv_write import write_kv
-from kernels.reference import TorchReferenceBackend
+from kernels.reference import ReferenceState, TorchReferenceBackend
 
 BLOCK = 16
 GARBAGE = 1e4  # cache contents past each sequence's length: huge but finite
@@ -19,7 +20,9 @@ GARBAGE = 1e4  # cache contents past each sequence's length: huge but finite
 @dataclass
 class PagedCase:
     q: torch.Tensor  # [T, H, d] packed queries
-    k_cache: torch.Tensor
+    k_new: torch.Tensor  # [T, kv_heads, d]: this step's keys, not yet in the cache
+    v_new: torch.Tensor
+    k_cache: torch.Tensor  # holds every earlier position; this step's slots hold garbage
     v_cache: torch.Tensor
     meta: AttentionMetadata
     dense_k: list[torch.Tensor]  # per sequence [L_k, kv_heads, d]
@@ -36,7 +39,12 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> PagedCase:
-    """`shapes` lists (q_len, k_len) per sequence; blocks are shuffled and non-contiguous."""
+    """`shapes` lists (q_len, k_len) per sequence; blocks are shuffled and non-contiguous.
+
+    Only the positions before each sequence's new tokens are written to the cache: the
+    backend's `forward` must write `k_new`/`v_new` itself. A sequence with more queries than
+    keys (q_len > k_len) has all of its keys written and none new.
+    """
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [(k_len + BLOCK - 1) // BLOCK for _, k_len in shapes]
     num_blocks = 2 * sum(blocks_per_seq) + 3  # spare blocks stay garbage
@@ -44,17 +52,20 @@ def make_case(
     cache_shape = (num_blocks, BLOCK, kv_heads, head_dim)
     k_cache = (torch.randn(cache_shape, generator=g) * GARBAGE).to(dtype)
     v_cache = (torch.randn(cache_shape, generator=g) * GARBAGE).to(dtype)
-    tables, dense_k, dense_v, slots, qs = [], [], [], [], []
+    tables, dense_k, dense_v, slots, qs, k_new, v_new = [], [], [], [], [], [], []
     for (q_len, k_len), nb in zip(shapes, blocks_per_seq, strict=True):
         table = [order.pop() for _ in range(nb)]
         tables.append(table)
         k = torch.randn(k_len, kv_heads, head_dim, generator=g).to(dtype)
         v = torch.randn(k_len, kv_heads, head_dim, generator=g).to(dtype)
         seq_slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(k_len)])
-        write_kv(k, v, k_cache, v_cache, seq_slots)
+        old = max(0, k_len - q_len)  # positions already cached before this step
+        write_kv(k[:old], v[:old], k_cache, v_cache, seq_slots[:old])
         dense_k.append(k)
         dense_v.append(v)
-        slots.append(seq_slots[k_len - q_len :])
+        slots.append(seq_slots[old:])
+        k_new.append(k[old:])
+        v_new.append(v[old:])
         qs.append(torch.randn(q_len, num_heads, head_dim, generator=g).to(dtype))
     width = max(blocks_per_seq)
     block_table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -69,7 +80,17 @@ def make_case(
         max_seqlen_k=max(k for _, k in shapes),
         block_size=BLOCK,
     )
-    return PagedCase(torch.cat(qs), k_cache, v_cache, meta, dense_k, dense_v, q_lens)
+    return PagedCase(
+        torch.cat(qs),
+        torch.cat(k_new),
+        torch.cat(v_new),
+        k_cache,
+        v_cache,
+        meta,
+        dense_k,
+        dense_v,
+        q_lens,
+    )
 
 
 def dense_attention(case: PagedCase, scale: float) -> torch.Tensor:
@@ -91,25 +112,24 @@ def dense_attention(case: PagedCase, scale: float) -> torch.Tensor:
 
 
 def run_backend(
-    case: PagedCase, scale: float, *, use_prepare: bool, backend_cls=TorchReferenceBackend
+    case: PagedCase,
+    scale: float,
+    *,
+    use_prepare: bool,
+    backend_cls: type[AttentionBackend] = TorchReferenceBackend,
+    layers: int = 1,
 ) -> torch.Tensor:
+    """`layers` forward calls on one metadata object, as a model's layers make them."""
     backend = backend_cls()
     meta = case.meta
     if use_prepare:
-        backend.prepare(meta)
-        assert backend.name in meta.extra
-    return backend.forward(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        cu_seqlens_q=meta.cu_seqlens_q,
-        seq_lens_k=meta.seq_lens_k,
-        block_table=meta.block_table,
-        max_seqlen_q=meta.max_seqlen_q,
-        max_seqlen_k=meta.max_seqlen_k,
-        scale=scale,
-        meta=meta if use_prepare else None,
-    )
+        state = backend.prepare(meta)
+        assert meta.state is state and isinstance(state, backend.state_type)
+    for _ in range(layers):
+        out = backend.forward(
+            case.q, case.k_new, case.v_new, meta, kv_cache=(case.k_cache, case.v_cache), scale=scale
+        )
+    return out
 
 
 LAYOUTS = {
@@ -152,38 +172,98 @@ def test_matches_dense_attention(
 def test_writes_into_out_and_prepare_is_shared_by_layers():
     case = make_case(LAYOUTS["mixed"], num_heads=4, kv_heads=2, head_dim=64)
     backend = TorchReferenceBackend()
-    backend.prepare(case.meta)
-    plan = case.meta.extra[backend.name]
-    backend.prepare(case.meta)  # idempotent: the plan is built once per step
-    assert case.meta.extra[backend.name] is plan
+    state = backend.prepare(case.meta)
+    assert isinstance(state, ReferenceState) and case.meta.state is state
+    assert backend.prepare(case.meta) is state  # idempotent: the plan is built once per step
     out = torch.empty_like(case.q)
     got = backend.forward(
         case.q,
-        case.k_cache,
-        case.v_cache,
-        cu_seqlens_q=case.meta.cu_seqlens_q,
-        seq_lens_k=case.meta.seq_lens_k,
-        block_table=case.meta.block_table,
-        max_seqlen_q=case.meta.max_seqlen_q,
-        max_seqlen_k=case.meta.max_seqlen_k,
+        case.k_new,
+        case.v_new,
+        case.meta,
+        kv_cache=(case.k_cache, case.v_cache),
         scale=0.125,
         out=out,
-        meta=case.meta,
     )
-    assert got is out
+    assert got is out and case.meta.state is state
     torch.testing.assert_close(out.double(), dense_attention(case, 0.125), atol=2e-5, rtol=1e-5)
 
 
-def test_rows_without_visible_keys_stay_finite():
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_forward_writes_the_new_kv_at_the_slot_mapping(backend: str):
+    case = make_case(LAYOUTS["mixed"], num_heads=4, kv_heads=2, head_dim=32)
+    slots = case.meta.slot_mapping
+    flat_k = case.k_cache.view(-1, 2, 32)
+    assert not torch.equal(flat_k[slots], case.k_new)  # garbage before the step
+    run_backend(case, 0.125, use_prepare=False, backend_cls=BACKENDS[backend]())
+    torch.testing.assert_close(flat_k[slots], case.k_new, atol=0, rtol=0)
+    torch.testing.assert_close(case.v_cache.view(-1, 2, 32)[slots], case.v_new, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_state_is_built_once_per_step_for_all_layers(backend: str):
+    backend_cls = BACKENDS[backend]()
+    builds = []
+
+    class Counting(backend_cls):  # type: ignore[valid-type,misc]
+        def build_state(self, meta):
+            builds.append(meta)
+            return super().build_state(meta)
+
+    case = make_case(LAYOUTS["mixed"], num_heads=8, kv_heads=2, head_dim=64)
+    got = run_backend(case, 0.125, use_prepare=True, backend_cls=Counting, layers=4)
+    assert builds == [case.meta]
+    torch.testing.assert_close(got.double(), dense_attention(case, 0.125), atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_state_converts_the_decode_group_once():
+    backend = _cpu_kernel_backend()()
+    case = make_case(LAYOUTS["mixed"], num_heads=8, kv_heads=2, head_dim=64)
+    state = backend.prepare(case.meta)
+    assert isinstance(state, CpuPagedState) and state.decode is not None
+    # the two decode sequences of the mixed layout (0 and 3), as the kernel takes them
+    assert state.decode.block_table.dtype == torch.int32
+    assert state.decode.block_table.is_contiguous()
+    assert state.decode.seq_lens_k.tolist() == [37, 1]
+    assert state.decode.rows.tolist() == [0, 1]
+    only_prefill = make_case([(5, 9), (3, 3)], num_heads=8, kv_heads=2, head_dim=64)
+    assert backend.prepare(only_prefill.meta).decode is None  # type: ignore[attr-defined]
+    # a state built by the reference backend is not mistaken for the kernel's own
+    ref_meta = make_case(LAYOUTS["decode_batch"], num_heads=8, kv_heads=2, head_dim=64).meta
+    TorchReferenceBackend().prepare(ref_meta)
+    assert isinstance(backend.prepare(ref_meta), CpuPagedState)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_cpu_backends_declare_no_cuda_graph_support(backend: str):
+    instance = BACKENDS[backend]()()
+    assert instance.supports_graphs is False
+    meta = make_case(LAYOUTS["decode_batch"], num_heads=4, kv_heads=4, head_dim=32).meta
+    with pytest.raises(GraphsUnsupported, match="does not support CUDA graphs"):
+        instance.init_capture(8, 4, torch.device("cpu"))
+    with pytest.raises(GraphsUnsupported):
+        instance.prepare_for_capture(4)
+    with pytest.raises(GraphsUnsupported):
+        instance.prepare_for_replay(4, meta)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("use_prepare", [True, False])
+def test_rows_without_visible_keys_stay_finite(backend: str, use_prepare: bool):
     # More queries than keys: the first rows of the second sequence see no key at all.
+    # make_case caches the first sequence's 7 old keys; the first 2 of the second sequence
+    # are "new" and written into the cache here, so only the attention half runs below.
+    instance = BACKENDS[backend]()()
     case = make_case([(2, 9), (4, 2)], num_heads=4, kv_heads=4, head_dim=64)
+    write_kv(case.k_new, case.v_new, case.k_cache, case.v_cache, case.meta.slot_mapping)
     case.meta.slot_mapping = torch.arange(case.q.shape[0])  # one slot per query row
-    for use_prepare in (True, False):
-        out = run_backend(case, 0.125, use_prepare=use_prepare)
-        assert torch.isfinite(out).all()
-        # Rows that do see keys are still exact.
-        want = dense_attention(case, 0.125)[:2]
-        torch.testing.assert_close(out[:2].double(), want, atol=2e-5, rtol=1e-5)
+    state = instance.prepare(case.meta) if use_prepare else instance.build_state(case.meta)
+    kv = (case.k_cache, case.v_cache)
+    out = instance.attend(case.q, kv, case.meta, state, scale=0.125)
+    assert torch.isfinite(out).all()
+    # Rows that do see keys are still exact.
+    want = dense_attention(case, 0.125)[:2]
+    torch.testing.assert_close(out[:2].double(), want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
