@@ -6,10 +6,9 @@ test_serve_internals.py checks each one against the installed Serve (no Ray star
 fails with a message naming the internal, so a Serve upgrade that changes one is caught by
 the unit tests, not in production. Ray Serve version these were written against: 2.60.
 
-Uses elsewhere that are not here:
-* `CONTROLLER_ENV_VARS` below are set by `serve_config.yaml`'s `controller_options`; they
-  are read by `ray.serve._private.constants` when Serve's processes start.
-* tests reach into a bound `Application` (`bound_deployment`) to check how it is wired.
+Two are not code paths: `CONTROLLER_ENV_VARS` are the Serve variables `serve_config.yaml`
+sets (read by `ray.serve._private.constants` when Serve's processes start), and
+`bound_deployment` / `deployment_config` let tests check how a bound application is wired.
 """
 
 from __future__ import annotations
