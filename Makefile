@@ -29,7 +29,7 @@ serve: setup demo
 	RAY_worker_niceness=0 $(VENV)/bin/serve run serve_config.yaml
 
 standalone: setup demo
-	$(PY) -m app.standalone
+	$(PY) -m app.standalone --config serve_config.yaml
 
 test: setup demo
 	$(PY) -m pytest -q tests

@@ -58,7 +58,7 @@ def load_config(args: dict[str, Any] | None = None) -> AppConfig:
 def _routing_options(config: AppConfig) -> dict[str, Any]:
     options = dict(config.policies.routing_options.get(config.policies.routing, {}))
     if config.policies.routing == "prefix_affinity":
-        options.setdefault("block_size", config.engine.engine_config().cache.block_size)
+        options.setdefault("block_size", config.engine.cache.block_size)
     return options
 
 

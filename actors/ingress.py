@@ -3,7 +3,8 @@
 What it adds to the app, and nothing else:
 * the endpoint's engine is a `ReplicaClient` over the ModelReplica handle, so every token
   crosses exactly one actor hop (replica → here) before the app writes it: by default over
-  this ingress's token channel (a `ChannelServer` it starts, see actors/token_channel.py);
+  this ingress's token channel (the client's own `ChannelServer`, see
+  `ReplicaClient.connect` and actors/token_channel.py);
 * a background task syncs with the control plane every `sync_interval_s`: it pushes this
   ingress's HTTP metrics and gets back the cluster view plus everyone else's metrics. Requests
   read only that local `ClusterCache` (early 503, `/metrics`), never the control plane;
@@ -33,14 +34,13 @@ from ray.serve.handle import DeploymentHandle
 from actors.cluster import ClusterCache, IngressReport
 from actors.messages import ReplicaInfo
 from actors.replica_client import ReplicaClient
-from actors.runtime import node_id, node_ip, replica_id
+from actors.runtime import replica_id
+from actors.serve_internals import serve_send_queue
 from actors.settings import AppConfig
-from actors.token_channel import ChannelServer
 from app.endpoint import ModelEndpoint
 from app.metric_snapshot import Snapshot
 from app.metrics import Metrics
 from app.openai_server import build_app
-from app.settings import Settings
 from app.sse import SEND_BACKLOG_KEY
 from engine.process import freeze_startup_heap
 from engine.tokenizer import load_tokenizer
@@ -63,28 +63,20 @@ class Ingress:
             stale_after_s=max(3 * interval, config.control_plane.report_ttl_s),
         )
         self.metrics = Metrics(max_label_values=config.max_label_values)  # HTTP metrics only
-        self.channel: ChannelServer | None = None
-        if config.ingress.token_path == "channel":
-            self.channel = ChannelServer()
-            tcp_host = config.ingress.channel_tcp_host
-            await self.channel.start(
-                ingress_id=self.ingress_id,
-                node_id=node_id(),
-                tcp_host={"auto": node_ip(), "off": None}.get(tcp_host, tcp_host),
-            )
+        self.client = await ReplicaClient.connect(
+            replicas,
+            config.ingress,
+            owner_id=self.ingress_id,
+            admit=self.cache.admit,
+            stats=self.cache.stats,
+        )
         async with asyncio.timeout(config.ingress.info_timeout_s):
             info: ReplicaInfo = await replicas.info.remote()
         self.endpoint = ModelEndpoint(
             name=config.served_model_name,
             tokenizer=await asyncio.to_thread(load_tokenizer, info.model_path),
             max_model_len=info.max_model_len,
-            client=ReplicaClient(
-                replicas,
-                channel=self.channel,
-                admit=self.cache.admit,
-                stats=self.cache.stats,
-                transport=config.ingress.handle_options(),
-            ),
+            client=self.client,
             root=config.engine.model,
         )
         self._sync_task = asyncio.create_task(self._sync_loop(), name="ingress-sync")
@@ -92,17 +84,9 @@ class Ingress:
         freeze_startup_heap()
 
     def __serve_build_asgi_app__(self) -> Any:
-        config = self.config
-        settings = Settings(
-            served_model_name=config.served_model_name,
-            max_body_bytes=config.max_body_bytes,
-            keepalive_s=config.keepalive_s,
-            stall_timeout_s=config.stall_timeout_s,
-            max_n=config.max_n,
-            max_label_values=config.max_label_values,
-            request_class_policy=config.policies.request_class,
+        app = build_app(  # an AppConfig is the app's Settings, plus the deployment sections
+            [self.endpoint], self.config, metrics=self.metrics, extra_metrics=self._others
         )
-        app = build_app([self.endpoint], settings, metrics=self.metrics, extra_metrics=self._others)
         app.add_middleware(_OneRequestIdHeader)
         return _SendBacklog(app)
 
@@ -142,9 +126,9 @@ class Ingress:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        channel = getattr(self, "channel", None)
-        if channel is not None:
-            await channel.stop()
+        client = getattr(self, "client", None)
+        if client is not None:
+            await client.close()
 
 
 class _OneRequestIdHeader:
@@ -172,30 +156,19 @@ class _OneRequestIdHeader:
 class _SendBacklog:
     """The outermost ASGI layer: times each message the app sends and reads how many are
     still in Serve's queue to the proxy, so `scope[SEND_BACKLOG_KEY]()` is how long the
-    oldest of those has waited (0 when none). Serve's queue is found in its `send` closure;
-    if a Serve version hides it, the key is absent and no stall is ever reported."""
+    oldest of those has waited (0 when none). Serve's queue is found in its `send` closure
+    (`actors.serve_internals.serve_send_queue`); if a Serve version hides it, the key is
+    absent and no stall is ever reported."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and (pending := _serve_send_queue(send)) is not None:
+        if scope["type"] == "http" and (pending := serve_send_queue(send)) is not None:
             tracker = _Backlog(send, pending)
             scope[SEND_BACKLOG_KEY] = tracker.oldest_wait_s
             send = tracker.send
         await self.app(scope, receive, send)
-
-
-def _serve_send_queue(send: Any) -> Callable[[], int] | None:
-    """How many messages Serve's `send` has queued and its proxy not yet taken."""
-    for cell in getattr(send, "__closure__", None) or ():
-        try:
-            queue = getattr(cell.cell_contents, "_message_queue", None)
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(queue, deque):
-            return queue.__len__
-    return None
 
 
 class _Backlog:

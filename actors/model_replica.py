@@ -52,7 +52,7 @@ class ModelReplica:
         self.channels = ChannelPool(node_id())
         self.engine = await asyncio.to_thread(
             AsyncEngine.from_config,
-            config.engine.engine_config(),
+            config.engine,
             stall_timeout_s=config.engine.stall_timeout_s,
             resolve_model=resolve_model,
         )

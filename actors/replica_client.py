@@ -22,20 +22,21 @@ Translation of what can go wrong across the hop:
 
 `admit(request)`, called before anything is sent, lets the ingress refuse early from its
 local cluster-view cache (never a remote call).
+
+Any deployment (the Ingress, a batch-jobs deployment, a draft-model caller) builds its client
+with `await ReplicaClient.connect(handle, settings)`, which starts the client's own
+`ChannelServer` when the token path is the channel, and releases it with `await close()`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
-from ray.serve import context as serve_context
 from ray.serve.exceptions import (
     BackPressureError,
     DeploymentUnavailableError,
@@ -44,6 +45,9 @@ from ray.serve.exceptions import (
 from ray.serve.handle import DeploymentHandle
 
 from actors.messages import ReplicaError
+from actors.runtime import node_id, node_ip, replica_id
+from actors.serve_internals import own_serve_request_id
+from actors.settings import IngressSettings
 from actors.token_channel import ChannelServer, TokenInbox
 from engine.errors import QueueFull, Unavailable
 from engine.request import Request, TokenDelta
@@ -74,6 +78,51 @@ class ReplicaClient:
         self._stats = stats
         self._grace_s = final_delta_grace_s
         self._inflight: dict[str, Any] = {}  # request id → the Serve call's response
+        self._owned_channel: ChannelServer | None = None  # started by `connect`
+
+    @classmethod
+    async def connect(
+        cls,
+        handle: DeploymentHandle,
+        settings: IngressSettings,
+        *,
+        owner_id: str | None = None,
+        admit: Callable[[Request], None] | None = None,
+        stats: Callable[[], dict[str, Any]] | None = None,
+    ) -> ReplicaClient:
+        """A client of `handle` (a ModelReplica deployment) for the calling process, built from
+        `settings` (`token_path`, `channel_tcp_host`, `transport`). With the channel token
+        path it starts a `ChannelServer` of its own, named `owner_id` (default: this Serve
+        replica's id) and stopped by `close()`; call `close()` in every case."""
+        channel: ChannelServer | None = None
+        if settings.token_path == "channel":
+            channel = ChannelServer()
+            host = settings.channel_tcp_host
+            await channel.start(
+                ingress_id=owner_id or replica_id(),
+                node_id=node_id(),
+                tcp_host={"auto": node_ip(), "off": None}.get(host, host),
+            )
+        client = cls(
+            handle,
+            channel=channel,
+            admit=admit,
+            stats=stats,
+            transport=settings.handle_options(),
+        )
+        client._owned_channel = channel
+        return client
+
+    @property
+    def channel(self) -> ChannelServer | None:
+        """The token channel deltas arrive on (None: the stream token path)."""
+        return self._channel
+
+    async def close(self) -> None:
+        """Stop the channel `connect` started; call it once no request is in flight."""
+        channel, self._owned_channel = self._owned_channel, None
+        if channel is not None:
+            await channel.stop()
 
     def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
         if self._channel is not None:
@@ -88,7 +137,7 @@ class ReplicaClient:
         rid = request.request_id
         inbox = channel.open(rid)
         assert self._unary is not None and channel.address is not None
-        with _own_serve_request_id():
+        with own_serve_request_id():
             response = self._unary.stream_to.remote(request, channel.address)
         self._inflight[rid] = response
         call = asyncio.ensure_future(_outcome(response))
@@ -126,7 +175,7 @@ class ReplicaClient:
     async def _via_stream(self, request: Request) -> AsyncIterator[TokenDelta]:
         if self._admit is not None:
             self._admit(request)
-        with _own_serve_request_id():
+        with own_serve_request_id():
             response = self._stream.generate.remote(request)
         rid = request.request_id
         self._inflight[rid] = response
@@ -158,27 +207,6 @@ class ReplicaClient:
     def stats(self) -> dict[str, Any]:
         """Replica stats summed from the ingress's cached cluster view (may be ~1 s old)."""
         return self._stats() if self._stats is not None else {}
-
-
-@contextlib.contextmanager
-def _own_serve_request_id() -> Any:
-    """Give the replica call made inside this block its own Serve-internal request id.
-
-    Serve stamps every call made while serving one HTTP request with that request's internal
-    id, and its request router keeps pending calls in a dict keyed by it: when one HTTP
-    request fans out (n > 1 choices), only the first pending call is indexed and, with any
-    router but Serve's FIFO default, the others are never handed their replica (they hang).
-    """
-    var = getattr(serve_context, "_serve_request_context", None)
-    current = var.get() if var is not None else None
-    if current is None or not dataclasses.is_dataclass(current):
-        yield
-        return
-    token = var.set(dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
-    try:
-        yield
-    finally:
-        var.reset(token)
 
 
 async def _outcome(response: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from actors.serve_internals import replica_queue_lengths
 from engine.request import Request
 from policies.base import create
 from policies.routing import Candidate, ReplicaRoutingPolicy
@@ -51,8 +52,8 @@ class PolicyRequestRouter(RequestRouter):
         if live != self._known:
             self.policy.forget(set(live))
             self._known = live
-        cache = self._replica_queue_len_cache
-        views = [Candidate(uid, cache.get(r.replica_id)) for uid, r in by_id.items()]
+        queue_len = replica_queue_lengths(self)
+        views = [Candidate(uid, queue_len(r.replica_id)) for uid, r in by_id.items()]
         ranks = self.policy.rank(request_of(pending_request), views)
         return [[by_id[uid] for uid in rank if uid in by_id] for rank in ranks]
 

@@ -1,35 +1,128 @@
-"""HTTP-surface settings, read from the environment with the `FIRSTLIGHT_` prefix.
+"""What both modes share: the HTTP surface, the engine and the policy names.
 
-Example: `FIRSTLIGHT_PORT=9000 FIRSTLIGHT_KEEPALIVE_S=5 python -m app.standalone`.
-Command-line flags of `app.standalone` override the environment.
+The same `serve_config.yaml` `args` configure Serve mode (`actors.settings.AppConfig`, which
+extends `Settings` with its deployment sections) and bare mode (`StandaloneSettings`, which
+adds the listening address). Every field can be overridden from the environment with the
+`FIRSTLIGHT_` prefix, nested sections joined by `__`; the environment wins over the YAML:
+
+    FIRSTLIGHT_ENGINE__SCHEDULER__MAX_NUM_SEQS=8 FIRSTLIGHT_KEEPALIVE_S=5 python -m app.standalone
+
+Unknown keys are errors naming the field (a typo must not silently fall back to a default).
+`engine` is validated straight into `engine.config.EngineConfig` (app/config_schema.py).
 """
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from app.config_schema import validated
+from engine.config import EngineConfig
+
+
+class PolicySettings(BaseModel):
+    """Policy names, each looked up in its `policies/` registry when the app is built.
+    `routing` (Serve mode only) picks the ModelReplica router; `routing_options[name]` go to
+    routing policy `name`'s constructor when it is the one chosen (so switching `routing`,
+    e.g. by environment, needs no other change)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_class: str = "header"
+    routing: str = "prefix_affinity"
+    routing_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FIRSTLIGHT_", extra="ignore", frozen=True)
+    """Build one with `Settings(**args)`; bad values raise `pydantic.ValidationError` naming
+    the field."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FIRSTLIGHT_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    served_model_name: str = ""  # what clients send as `model`; empty: `engine.model`
+    keepalive_s: float = Field(15.0, gt=0)  # idle gap before an SSE `:` keepalive comment
+    stall_timeout_s: float = Field(60.0, gt=0)  # an HTTP client reading nothing this long is cut
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger bodies get 413 unread
+    max_n: int = Field(16, ge=1)  # most choices (`n`) one request may ask for
+    max_label_values: int = Field(32, ge=1)  # distinct tag values per metric label
+    engine: validated(EngineConfig) = EngineConfig()  # type: ignore[valid-type]
+    policies: PolicySettings = PolicySettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_defaults_to_the_model(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and not data.get("served_model_name"):
+            engine = data.get("engine") or {}
+            model = engine.model if isinstance(engine, EngineConfig) else engine.get("model")
+            data = {**data, "served_model_name": model or EngineConfig().model}
+        return data
+
+    @property
+    def request_class_policy(self) -> str:
+        return self.policies.request_class
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (env_settings, init_settings)  # the environment overrides the YAML args
+
+
+class StandaloneSettings(Settings):
+    """Bare mode (`python -m app.standalone`): the shared settings plus where to listen.
+    Build it with `layered` so command-line flags win over the environment."""
 
     host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    model: str = "demo"  # EngineConfig.model: a local HF directory, or "demo"
-    served_model_name: str | None = None  # the name clients send; defaults to the model's name
-    device: str = "cpu"
-    dtype: str = "float32"
+    port: int = Field(8000, ge=0, le=65535)
     log_level: str = "info"
 
-    # bodies larger than this get 413 before they are read
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    # idle gap before an SSE `:` keepalive comment is sent
-    keepalive_s: float = Field(default=15.0, gt=0)
-    # a client that takes no bytes for this long is cut (and its request aborted)
-    stall_timeout_s: float = Field(default=60.0, gt=0)
-    # most choices (`n`) one request may ask for
-    max_n: int = Field(default=16, ge=1)
-    # distinct tag values per metric label before new ones read "other"
-    max_label_values: int = Field(default=32, ge=1)
-    # a name registered in policies.request_class
-    request_class_policy: str = "header"
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)  # `layered` has already put flags over env
+
+    @classmethod
+    def layered(cls, *layers: Mapping[str, Any]) -> StandaloneSettings:
+        """`layers` from lowest to highest precedence, with the environment placed just
+        below the last one: `layered(yaml_args, flags)` is flags > env > YAML > defaults."""
+        *below, top = layers or ({},)
+        env = EnvSettingsSource(cls)()
+        merged: dict[str, Any] = {}
+        for layer in (*below, env, top):
+            merged = deep_merge(merged, layer)
+        return cls(**merged)
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, nested mappings merged key by key."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

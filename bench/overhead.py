@@ -3,8 +3,8 @@
     python bench/overhead.py [--ttft-requests 40] [--itl-rounds 10]
 
 Starts (and stops) its own Ray on 127.0.0.1 with the application of `serve_config.yaml`
-(same args, same engine settings), a bare server (the same app factory and engine under
-uvicorn, in a subprocess) and a no-op two-deployment Serve stream, then measures with a raw
+(same args, same engine settings), a bare server (`app.standalone` built from the same args,
+under uvicorn, in a subprocess) and a no-op two-deployment Serve stream, then measures with a raw
 streaming HTTP client:
 
   ray_floor_ms              TTFB p50 of the no-op stream: HTTP proxy → ingress deployment →
@@ -76,47 +76,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def serve_bare(port: int, args: dict[str, Any]) -> None:
-    """Run the app factory around an in-process AsyncEngine under uvicorn (bare mode), with
-    the engine settings of the Serve app (`app.standalone` takes only model/device/dtype)."""
+    """Bare mode (`app.standalone`'s own code path) with the same `args` as the Serve app."""
     import uvicorn
 
-    from actors.builder import load_config
-    from app.endpoint import ModelEndpoint
-    from app.openai_server import build_app
-    from app.settings import Settings
-    from demo.paths import resolve_model
-    from engine.async_engine import AsyncEngine
-    from engine.process import freeze_startup_heap
+    from app.settings import StandaloneSettings
+    from app.standalone import bare_args, build_standalone
 
-    config = load_config(args)
-    engine = AsyncEngine.from_config(
-        config.engine.engine_config(),
-        stall_timeout_s=config.engine.stall_timeout_s,
-        resolve_model=resolve_model,
-    )
-    freeze_startup_heap()
-    endpoint = ModelEndpoint(
-        name=config.served_model_name,
-        tokenizer=engine.tokenizer,
-        max_model_len=engine.max_model_len,
-        client=engine,
-        root=config.engine.model,
-    )
-    settings = Settings(
-        served_model_name=config.served_model_name,
-        keepalive_s=config.keepalive_s,
-        stall_timeout_s=config.stall_timeout_s,
-        request_class_policy=config.policies.request_class,
-    )
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: Any):
-        await engine.warmup()
-        await engine.start()
-        yield
-        await engine.shutdown()
-
-    app = build_app([endpoint], settings, lifespan=lifespan)
+    app = build_standalone(StandaloneSettings.layered(bare_args(args), {}))  # env over args
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

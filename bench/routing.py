@@ -130,7 +130,11 @@ def main() -> None:
         )
         for policy in ("least_loaded", "prefix_affinity"):
             args = app_args()
-            args["engine"] = {**args["engine"], "kv_cache_bytes": opts.kv_mib << 20}
+            engine = args["engine"]
+            args["engine"] = {
+                **engine,
+                "cache": {**engine["cache"], "kv_cache_bytes": opts.kv_mib << 20},
+            }
             args["replica"] = {
                 **args["replica"],
                 "autoscaling": {"min_replicas": 2, "max_replicas": 2},

@@ -1,17 +1,26 @@
-"""Engine configuration. Frozen dataclasses: change one with `dataclasses.replace`."""
+"""Engine configuration. Frozen dataclasses: change one with `dataclasses.replace`.
+
+This is the only definition of the engine's settings: `serve_config.yaml`'s `engine:` section
+(Serve and bare mode alike) is validated into these classes with the same nesting, field by
+field (app/config_schema.py). A field's `metadata` holds its validation bounds (`ge`, `gt`,
+`le`, `lt`), in the spelling of pydantic's `Field`; the engine itself never reads them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Paged KV pool. `num_blocks` wins over `kv_cache_bytes` when both are set."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 256 * 1024 * 1024
+    block_size: int = field(default=16, metadata={"ge": 1})
+    num_blocks: int | None = field(default=None, metadata={"ge": 1})
+    kv_cache_bytes: int = field(default=256 * 1024 * 1024, metadata={"ge": 1024 * 1024})
     enable_prefix_caching: bool = True
 
 
@@ -25,19 +34,24 @@ class SchedulerConfig:
     even while interactive ones wait, so bulk never starves.
     """
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_waiting: int = 512
-    bulk_min_share: float = 0.1
+    max_num_batched_tokens: int = field(default=2048, metadata={"ge": 16})
+    max_num_seqs: int = field(default=64, metadata={"ge": 1})
+    max_waiting: int = field(default=512, metadata={"ge": 1})
+    bulk_min_share: float = field(default=0.1, metadata={"ge": 0.0, "le": 1.0})
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """`stall_timeout_s`: a request whose output sits unread this long is aborted (read by
+    `AsyncEngine`)."""
+
     model: str = "demo"  # a local HF directory, or "demo" / "demo-draft" for the built-in models
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: Dtype = "float32"
     device: str = "cpu"
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    # defaults to the model's max_position_embeddings
+    max_model_len: int | None = field(default=None, metadata={"ge": 16})
     attention_backend: str | None = None  # None picks the best that supports the setup
     seed: int = 0
+    stall_timeout_s: float = field(default=30.0, metadata={"gt": 0})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from actors.settings import AppConfig
+from app.settings import deep_merge
 from demo.paths import ModelNotFoundError, resolve_model
 
 
@@ -28,13 +29,13 @@ def require_demo_model() -> None:
 
 def small_config(**sections: Any) -> AppConfig:
     """A config sized for tests on 2 cores: a small KV pool and short queues."""
-    engine = {
-        "kv_cache_bytes": 8 << 20,
-        "max_num_seqs": 4,
-        "max_waiting": 4,
-        "max_num_batched_tokens": 256,
-        **sections.pop("engine", {}),
-    }
+    engine = deep_merge(
+        {
+            "cache": {"kv_cache_bytes": 8 << 20},
+            "scheduler": {"max_num_seqs": 4, "max_waiting": 4, "max_num_batched_tokens": 256},
+        },
+        sections.pop("engine", {}),
+    )
     # single node: replicas reach the ingress's token channel over its Unix socket; its TCP
     # listener (for other nodes) stays on loopback in tests
     ingress = {"channel_tcp_host": "127.0.0.1", **sections.pop("ingress", {})}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,8 @@ from ray.serve.exceptions import BackPressureError
 
 from actors.messages import ErrorKind, ReplicaError
 from actors.replica_client import ReplicaClient
+from actors.settings import IngressSettings
+from actors.token_channel import ChannelPool
 from engine.errors import InvalidRequest, QueueFull, Unavailable
 from engine.request import FinishReason, Request, TokenDelta
 
@@ -220,8 +223,10 @@ class ChannelHandle:
     def __init__(self, make_call) -> None:
         self.make_call = make_call
         self.calls: list[ChannelCall] = []
+        self.options_seen: dict[str, Any] = {}
 
     def options(self, **kwargs: Any) -> ChannelHandle:
+        self.options_seen = kwargs
         return self
 
     @property
@@ -297,23 +302,47 @@ async def test_channel_closing_early_cancels_the_replica_call(channel):
     assert server._inboxes == {}
 
 
-def test_each_replica_call_gets_its_own_serve_internal_request_id():
-    """Serve's router indexes pending calls by the internal id every call of one HTTP
-    request inherits; n > 1 choices must not share it (the second would never be routed)."""
-    from ray.serve import context
+# -- ReplicaClient.connect: a client any deployment can build ----------------------------------
 
-    from actors.replica_client import _own_serve_request_id
 
-    parent = context._RequestContext(request_id="http-1", _internal_request_id="parent")
-    token = context._serve_request_context.set(parent)
+@pytest.mark.parametrize(("tcp_host", "over_tcp"), [("off", False), ("127.0.0.1", True)])
+async def test_connect_starts_its_own_channel_and_close_stops_it(tcp_host, over_tcp):
+    pool = ChannelPool("replica-node")  # another node than the client's: TCP when it listens
+    deltas = [delta(1), delta(2, FinishReason.STOP)]
+    handle = ChannelHandle(lambda address: ChannelCall(pool, address, deltas))
+    settings = IngressSettings(channel_tcp_host=tcp_host)
+    client = await ReplicaClient.connect(handle, settings, owner_id="batch-jobs-1")
     try:
-        seen = []
-        for _ in range(2):
-            with _own_serve_request_id():
-                seen.append(context._get_serve_request_context())
-        assert all(c.request_id == "http-1" for c in seen)  # the user-visible id stays
-        ids = {c._internal_request_id for c in seen}
-        assert len(ids) == 2 and "parent" not in ids
-        assert context._get_serve_request_context() is parent  # restored after each call
+        channel = client.channel
+        assert channel is not None and channel.address is not None
+        address = channel.address
+        assert address.ingress_id == "batch-jobs-1"
+        assert (address.host is not None) == over_tcp
+        assert handle.options_seen == settings.handle_options()  # grpc transport by default
+        assert "".join(d.text for d in await drain(client)) == "t1t2"
     finally:
-        context._serve_request_context.reset(token)
+        pool.close()
+        await client.close()
+    assert not os.path.exists(address.path)  # the listener is gone
+    with pytest.raises(OSError):
+        await ChannelPool(address.node_id).connection(address)
+    await client.close()  # closing twice is harmless
+
+
+async def test_connect_on_the_stream_path_has_no_channel():
+    response = FakeResponse([delta(1), delta(2, FinishReason.STOP)])
+    handle = FakeHandle(response)
+    settings = IngressSettings(token_path="stream", transport="actor")
+    client = await ReplicaClient.connect(handle, settings)
+    assert client.channel is None
+    assert [d.text for d in await drain(client)] == ["t1", "t2"]
+    assert handle.options_seen == {"stream": True}  # actor transport: no handle options
+    await client.close()
+
+
+async def test_a_client_given_a_channel_does_not_stop_it(channel):
+    server, pool = channel
+    deltas = [delta(1, FinishReason.STOP)]
+    client = ReplicaClient(ChannelHandle(lambda a: ChannelCall(pool, a, deltas)), channel=server)
+    await client.close()
+    assert [d.text for d in await drain(client)] == ["t1"]  # still listening

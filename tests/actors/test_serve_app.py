@@ -30,7 +30,7 @@ TTL_S = 0.8  # a replica silent this long leaves the cluster view
 
 def config(token_path: str) -> Any:
     return small_config(
-        engine={"stall_timeout_s": STALL_S, "kv_cache_bytes": 32 << 20},
+        engine={"stall_timeout_s": STALL_S, "cache": {"kv_cache_bytes": 32 << 20}},
         max_body_bytes=64 * 1024,
         stall_timeout_s=STALL_S,
         replica={

@@ -8,7 +8,11 @@ import pytest
 import yaml
 
 from actors.builder import ConfigError, application, build_app, load_config, request_router
+from actors.serve_internals import bound_deployment, deployment_config
 from actors.settings import AppConfig
+from app.settings import Settings
+from app.standalone import SERVE_ONLY_SECTIONS, parse_settings
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,43 +35,70 @@ def test_shipped_serve_config_is_valid_and_fits_two_cores():
     )
     assert cpus <= 2.0
     # The engine's own bounded queue fills before Serve's replica limit does.
-    assert config.replica_max_ongoing_requests == (
-        config.engine.max_num_seqs + config.engine.max_waiting
-    )
+    scheduler = config.engine.scheduler
+    assert config.replica_max_ongoing_requests == scheduler.max_num_seqs + scheduler.max_waiting
 
 
 def test_environment_overrides_yaml_args(monkeypatch):
-    monkeypatch.setenv("FIRSTLIGHT_ENGINE__MAX_NUM_SEQS", "3")
+    monkeypatch.setenv("FIRSTLIGHT_ENGINE__SCHEDULER__MAX_NUM_SEQS", "3")
     monkeypatch.setenv("FIRSTLIGHT_KEEPALIVE_S", "2.5")
     monkeypatch.setenv("FIRSTLIGHT_HOME", "/somewhere")  # other FIRSTLIGHT_ variables: ignored
-    config = load_config({"keepalive_s": 9, "engine": {"max_num_seqs": 40, "max_waiting": 7}})
-    assert config.engine.max_num_seqs == 3
-    assert config.engine.max_waiting == 7  # the rest of the section keeps the YAML value
+    config = load_config(
+        {"keepalive_s": 9, "engine": {"scheduler": {"max_num_seqs": 40, "max_waiting": 7}}}
+    )
+    assert config.engine.scheduler.max_num_seqs == 3
+    assert config.engine.scheduler.max_waiting == 7  # the rest of the section keeps the YAML
     assert config.keepalive_s == 2.5
 
 
-def test_engine_config_carries_the_limits():
+def test_the_engine_section_is_the_engines_own_config():
     engine = AppConfig(
         engine={
-            "kv_cache_bytes": 8 << 20,
-            "max_num_seqs": 5,
-            "max_waiting": 6,
-            "max_num_batched_tokens": 256,
+            "stall_timeout_s": 5,
+            "cache": {"kv_cache_bytes": 8 << 20},
+            "scheduler": {"max_num_seqs": 5, "max_waiting": 6, "max_num_batched_tokens": 256},
         }
-    ).engine.engine_config()
-    assert (
-        engine.cache.kv_cache_bytes,
-        engine.scheduler.max_num_seqs,
-        engine.scheduler.max_waiting,
-        engine.scheduler.max_num_batched_tokens,
-    ) == (8 << 20, 5, 6, 256)
+    ).engine
+    assert engine == EngineConfig(
+        stall_timeout_s=5.0,
+        cache=CacheConfig(kv_cache_bytes=8 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=5, max_waiting=6, max_num_batched_tokens=256),
+    )
+
+
+def test_defaults_are_the_engines_own():
+    assert AppConfig().engine == EngineConfig()
+
+
+def test_bare_and_serve_mode_run_the_same_engine_from_one_yaml(monkeypatch, tmp_path):
+    monkeypatch.setenv("FIRSTLIGHT_ENGINE__CACHE__NUM_BLOCKS", "77")  # applies to both modes
+    path = tmp_path / "serve_config.yaml"
+    path.write_text((ROOT / "serve_config.yaml").read_text())
+    serve_mode = load_config(shipped_args())
+    bare_mode = parse_settings(["--config", str(path)])
+    assert bare_mode.engine == serve_mode.engine
+    assert serve_mode.engine.cache.num_blocks == 77
+    assert serve_mode.engine != EngineConfig(cache=CacheConfig(num_blocks=77))  # YAML applied
+    shared = set(Settings.model_fields)
+    assert bare_mode.model_dump(include=shared) == serve_mode.model_dump(include=shared)
+
+
+def test_bare_mode_skips_exactly_the_serve_only_sections():
+    assert set(AppConfig.model_fields) - set(Settings.model_fields) == set(SERVE_ONLY_SECTIONS)
 
 
 @pytest.mark.parametrize(
     ("args", "words"),
     [
         ({"engin": {}}, ["engin", "Extra inputs"]),
-        ({"engine": {"max_num_seqs": 0}}, ["engine.max_num_seqs", "greater than or equal"]),
+        (
+            {"engine": {"scheduler": {"max_num_seqs": 0}}},
+            ["engine.scheduler.max_num_seqs", "greater than or equal"],
+        ),
+        ({"engine": {"max_num_seqs": 8}}, ["engine.max_num_seqs", "Extra inputs"]),  # old shape
+        ({"engine": {"cache": {"kv_cache_byte": 1 << 30}}}, ["engine.cache.kv_cache_byte"]),
+        ({"engine": {"dtype": "int8"}}, ["engine.dtype", "float16"]),
+        ({"engine": {"stall_timeout_s": 0}}, ["engine.stall_timeout_s", "greater than"]),
         ({"replica": {"autoscaling": {"min_replicas": 3}}}, ["min_replicas <= initial_replicas"]),
         ({"policies": {"request_class": "nope"}}, ["policies", "nope", "header"]),
         ({"ingress": {"transport": "carrier-pigeon"}}, ["ingress.transport"]),
@@ -101,12 +132,12 @@ def test_a_missing_model_fails_at_build_time(tmp_path):
 
 def test_the_application_wires_three_deployments():
     app = application(load_config({"replica": {"autoscaling": {"max_replicas": 1}}}))
-    ingress = app._bound_deployment  # Serve has no public accessor for a bound graph
+    ingress = bound_deployment(app)
     assert ingress.name == "Ingress"
-    _, replicas, control_plane = (getattr(a, "_bound_deployment", a) for a in ingress.init_args)
+    _, replicas, control_plane = (bound_deployment(a) for a in ingress.init_args)
     assert (replicas.name, control_plane.name) == ("ModelReplica", "ControlPlane")
-    autoscaling = replicas._deployment_config.autoscaling_config
+    autoscaling = deployment_config(replicas).autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 1)
-    router = replicas._deployment_config.request_router_config
+    router = deployment_config(replicas).request_router_config
     assert router.request_router_class == "actors.request_router.PolicyRequestRouter"
     assert router.request_router_kwargs == {"policy": "prefix_affinity", "block_size": 16}

@@ -19,7 +19,7 @@ def build_or_skip():
     try:
         from app.standalone import build_standalone
 
-        return build_standalone(Settings(model="demo"))
+        return build_standalone(Settings(engine={"model": "demo"}))
     except (ImportError, FileNotFoundError) as exc:
         pytest.skip(f"engine or demo model not available: {exc}")
 
