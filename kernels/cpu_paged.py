@@ -28,7 +28,7 @@ from kernels.interface import AttentionMetadata
 from kernels.reference import AttentionGroup, ReferenceState, TorchReferenceBackend
 from kernels.registry import register_backend
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("firstlight.kernels")
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_decode.cpp"
 

@@ -26,7 +26,7 @@ from kernels.interface import AttentionBackend
 
 B = TypeVar("B", bound=type[AttentionBackend])
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("firstlight.kernels")
 
 _SKIP_MODULES = frozenset({"interface", "registry", "kv_write"})
 

@@ -1,7 +1,7 @@
 """Persistent step input buffers: one step's packed host lists into preallocated tensors.
 
 `StepBuffers` is allocated once per runner, sized by the scheduler's limits, and each step
-`fill` writes `StepInputs` (plain lists, see `engine.runner.model_runner.pack`) into it and
+`fill` writes `StepInputs` (plain lists, built by `ModelRunner.pack`) into it and
 returns views plus the step's `AttentionMetadata`. Nothing is allocated per step apart from
 the views themselves; this is also what CUDA graphs need (static input addresses), and what
 the runner wires up as:
@@ -36,8 +36,20 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runner.model_runner import StepInputs
 from kernels.interface import AttentionMetadata
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's packed inputs as plain lists (built without touching torch)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    cu_seqlens_q: list[int]
+    seq_lens_k: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # packed row of the last token of each sampling chunk
 
 
 @dataclass(slots=True)
@@ -99,7 +111,7 @@ class StepBuffers:
         self._input_ids = _Buffer(max_num_tokens, torch.int64, dev)
         self._positions = _Buffer(max_num_tokens, torch.int64, dev)
         self._slot_mapping = _Buffer(max_num_tokens, torch.int64, dev)
-        self._sample_rows = _Buffer(max_num_seqs, torch.int64, dev)
+        self._sample_rows = _Buffer(max_num_tokens, torch.int64, dev)  # speculative rows too
         self._cu_seqlens_q = _Buffer(max_num_seqs + 1, torch.int32, dev)
         self._seq_lens_k = _Buffer(max_num_seqs, torch.int32, dev)
         # Flat, so that a step's [B, width] table is one contiguous prefix.

@@ -2,8 +2,9 @@
 
 The runner owns the per-layer KV caches (`[num_blocks, block_size, kv_heads, head_dim]`,
 zero-initialised so unwritten slots are finite) and the model. `execute` packs every chunk's
-tokens end to end, builds positions, slot mapping and block tables from Python lists once,
-runs one forward under `torch.inference_mode()`, and returns float32 logits for the chunks
+tokens end to end into plain lists once (`pack`), writes them into the persistent input
+buffers allocated at start-up (`engine.runner.inputs.StepBuffers`: no tensor is built from a
+list per step, and input addresses stay fixed, as CUDA graphs need), runs one forward under `torch.inference_mode()`, and returns float32 logits for the chunks
 that sample, in chunk order. It reads sequences (token ids, block ids) and never mutates
 them or any scheduler state; the scheduler must already have allocated a block for every
 position being computed.
@@ -11,28 +12,13 @@ position being computed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.config import EngineConfig
 from engine.models.loader import ModelInfo, load_model, read_model_info
+from engine.runner.inputs import StepBuffers, StepInputs
 from engine.sched.output import SchedulerOutput
-from kernels.interface import AttentionMetadata
 from kernels.registry import select_backend
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's packed inputs as plain lists (built without touching torch)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    cu_seqlens_q: list[int]
-    seq_lens_k: list[int]
-    block_tables: list[list[int]]
-    sample_rows: list[int]  # packed row of the last token of each sampling chunk
 
 
 class ModelRunner:
@@ -75,6 +61,13 @@ class ModelRunner:
             )
             for _ in range(self.info.num_layers)
         ]
+        self.buffers = StepBuffers(
+            max_num_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+        )
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """`[num_sampling_chunks, vocab]` float32 logits, in chunk order."""
@@ -113,28 +106,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, step: StepInputs) -> torch.Tensor:
-        dev = self.device
-        width = max(len(t) for t in step.block_tables)
-        table = [t + [0] * (width - len(t)) for t in step.block_tables]
-        q_lens = [b - a for a, b in zip(step.cu_seqlens_q, step.cu_seqlens_q[1:], strict=False)]
-        meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor(step.cu_seqlens_q, dtype=torch.int32, device=dev),
-            seq_lens_k=torch.tensor(step.seq_lens_k, dtype=torch.int32, device=dev),
-            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
-            max_seqlen_q=max(q_lens),
-            max_seqlen_k=max(step.seq_lens_k),
-            block_size=self.block_size,
-        )
-        hidden = self.model(
-            torch.tensor(step.input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(step.positions, dtype=torch.int64, device=dev),
-            self.kv_caches,
-            meta,
-        )
+        inputs = self.buffers.fill(step)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not step.sample_rows:
-            return torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=dev)
+            return torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
         if len(step.sample_rows) < hidden.shape[0]:
-            rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=dev)
-            hidden = hidden.index_select(0, rows)
+            hidden = hidden.index_select(0, inputs.sample_rows)
         return self.model.compute_logits(hidden).float()

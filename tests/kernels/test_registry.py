@@ -74,9 +74,9 @@ def test_a_backend_needs_a_name():
 def test_choice_is_logged_with_why_better_backends_were_skipped(isolated_registry, caplog):
     register_backend(priority=90)(make_backend("gpu_only_test", head_dims=(128,)))
     register_backend(priority=80)(make_backend("wide_test", head_dims=(64,)))
-    with caplog.at_level(logging.INFO, logger="kernels.registry"):
+    with caplog.at_level(logging.INFO, logger="firstlight.kernels"):
         assert select_backend(None, **CPU).name == "wide_test"
-    lines = [r.getMessage() for r in caplog.records if r.name == "kernels.registry"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "firstlight.kernels"]
     assert "attention backend gpu_only_test (priority 90) skipped: head_dim 64 not in (128,)" in (
         lines
     )
@@ -84,17 +84,17 @@ def test_choice_is_logged_with_why_better_backends_were_skipped(isolated_registr
         line.startswith("attention backend wide_test chosen for device=cpu") for line in lines
     )
     assert not any("torch_ref" in line for line in lines)  # ranked below the choice: not tried
-    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "kernels.registry")
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "firstlight.kernels")
 
 
 def test_builtin_cpu_choice_explains_itself(caplog):
-    with caplog.at_level(logging.INFO, logger="kernels.registry"):
+    with caplog.at_level(logging.INFO, logger="firstlight.kernels"):
         backend = select_backend(None, **{**CPU, "dtype": torch.bfloat16})
     assert backend.name == "torch_ref"
     text = caplog.text
     assert "cpu_paged (priority 10) skipped: dtype torch.bfloat16 is not float32" in text
     assert "attention backend torch_ref chosen for device=cpu, dtype=torch.bfloat16" in text
-    with caplog.at_level(logging.INFO, logger="kernels.registry"):
+    with caplog.at_level(logging.INFO, logger="firstlight.kernels"):
         select_backend("torch_ref", **CPU)
     assert "attention backend torch_ref chosen by name" in caplog.text
 
@@ -105,7 +105,7 @@ def test_a_backend_module_that_fails_to_import_is_logged_and_skipped(
     # A backend module whose optional dependency is missing, as triton or flash-attn would be.
     (tmp_path / "needs_missing_dep_test.py").write_text("import firstlight_no_such_dep_xyz\n")
     monkeypatch.setattr(kernels, "__path__", [*kernels.__path__, str(tmp_path)])
-    with caplog.at_level(logging.INFO, logger="kernels.registry"):
+    with caplog.at_level(logging.INFO, logger="firstlight.kernels"):
         assert select_backend(None, **{**CPU, "dtype": torch.float16}).name == "torch_ref"
     assert (
         "attention backend module kernels.needs_missing_dep_test skipped: import failed: "
