@@ -4,8 +4,9 @@ The runner owns the per-layer KV caches (`[num_blocks, block_size, kv_heads, hea
 zero-initialised so unwritten slots are finite) and the model. `execute` packs every chunk's
 tokens end to end into plain lists once (`pack`), writes them into the persistent input
 buffers allocated at start-up (`engine.runner.inputs.StepBuffers`: no tensor is built from a
-list per step, and input addresses stay fixed, as CUDA graphs need), runs one forward under `torch.inference_mode()`, and returns float32 logits for the chunks
-that sample, in chunk order. It reads sequences (token ids, block ids) and never mutates
+list per step, and input addresses stay fixed, as CUDA graphs need), runs one forward under
+`torch.inference_mode()`, and returns float32 logits for the chunks that sample, in chunk
+order. It reads sequences (token ids, block ids) and never mutates
 them or any scheduler state; the scheduler must already have allocated a block for every
 position being computed.
 """
