@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.disconnect import ClientDisconnected, until_disconnected
-from app.errors import APIError, to_api_error
+from app.openai.errors import APIError, to_api_error
 
 logger = logging.getLogger("firstlight.app")
 
@@ -79,9 +79,14 @@ class SSEResponse(Response):
             await until_disconnected(self._write(send), receive)
         except (ClientDisconnected, OSError):  # uvicorn's ClientDisconnected is an OSError
             logger.info("request %s: client disconnected mid-stream", self.request_id)
+        except asyncio.CancelledError:  # the server cancelled the handler: the client left
+            logger.info("request %s: stream cancelled", self.request_id)
+            raise
         except SlowReader:
             logger.warning("request %s: reader stalled, stream cut", self.request_id)
         finally:
+            # `_write` closed the source in its own task, unless it never started; by now it
+            # has ended (until_disconnected waits for it), so this cannot race the writer.
             await self.events.aclose()
 
     async def _send(self, send: Send, frame: bytes, more: bool = True) -> None:
@@ -98,6 +103,15 @@ class SSEResponse(Response):
             raise SlowReader
 
     async def _write(self, send: Send) -> None:
+        """Send every frame. The source is closed here, in the task that runs it: closing an
+        async generator from another task while it is suspended inside an `await` raises
+        "aclose(): asynchronous generator is already running"."""
+        try:
+            await self._write_frames(send)
+        finally:
+            await self.events.aclose()
+
+    async def _write_frames(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         events = self.events
         while True:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.errors import APIError
+from app.openai.errors import APIError
 from app.sse import DONE_FRAME, KEEPALIVE_FRAME, SEND_BACKLOG_KEY, SSEResponse, data_frame
 
 
