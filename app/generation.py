@@ -93,7 +93,12 @@ async def run_job(job: Job, runtime: Runtime, receive: Receive) -> Response:
             runtime.metrics.record_error(job.labels, to_api_error(exc).code or "error")
         raise
     events = _stream_events(job, runtime, feed, pending, idle=not first)
-    return SSEResponse(events, stall_timeout_s=runtime.stall_timeout_s, request_id=work.request_id)
+    return SSEResponse(
+        events,
+        stall_timeout_s=runtime.stall_timeout_s,
+        request_id=work.request_id,
+        on_close=feed.close,
+    )
 
 
 def _finish_json(job: Job, runtime: Runtime) -> Response:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.responses import Response
@@ -55,7 +55,8 @@ class SlowReader(Exception):
 
 
 class SSEResponse(Response):
-    """A 200 `text/event-stream` response whose frames come from `events`."""
+    """A 200 `text/event-stream` response whose frames come from `events`; `on_close` (if
+    given, idempotent) runs last, after the source has been closed, whatever happened."""
 
     def __init__(
         self,
@@ -64,8 +65,10 @@ class SSEResponse(Response):
         headers: Mapping[str, str] | None = None,
         stall_timeout_s: float | None = None,
         request_id: str | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.events = events
+        self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.stall_timeout_s = stall_timeout_s
@@ -88,6 +91,8 @@ class SSEResponse(Response):
             # `_write` closed the source in its own task, unless it never started; by now it
             # has ended (until_disconnected waits for it), so this cannot race the writer.
             await self.events.aclose()
+            if self.on_close is not None:  # the source's own cleanup never ran if it never started
+                await self.on_close()
 
     async def _send(self, send: Send, frame: bytes, more: bool = True) -> None:
         message = {"type": "http.response.body", "body": frame, "more_body": more}

@@ -168,7 +168,8 @@ async def _completion_prompt(endpoint: ModelEndpoint, prompt: str | list[int]) -
             endpoint.tokenizer, prompt, endpoint.prompt_byte_limit, endpoint.max_model_len,
             "prompt",
         )  # fmt: skip
-    if any(t < 0 or t >= endpoint.vocab_size for t in prompt):
+    too_long = len(prompt) >= endpoint.max_model_len  # refused by `_max_tokens`, unscanned
+    if not too_long and any(t < 0 or t >= endpoint.vocab_size for t in prompt):
         raise bad_request(f"token ids must be in [0, {endpoint.vocab_size})", "prompt")
     return prompt
 

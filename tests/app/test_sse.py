@@ -184,3 +184,26 @@ async def test_a_cancelled_handler_waits_for_the_source_to_clean_up(cancels, cap
     records = [r for r in caplog.records if r.name.startswith("firstlight")]
     assert [(r.levelname, r.exc_info) for r in records] == [("INFO", None)]
     assert "c-1" in records[0].getMessage()
+
+
+async def test_on_close_runs_even_when_the_source_never_started():
+    ran, closed, sending = [], asyncio.Event(), asyncio.Event()
+
+    async def events():
+        ran.append(True)
+        yield {"n": 1}
+
+    async def on_close() -> None:
+        closed.set()
+
+    async def send(message: dict) -> None:
+        sending.set()
+        await asyncio.Event().wait()  # the response start never goes out
+
+    response = SSEResponse(events(), on_close=on_close)
+    task = asyncio.create_task(response({"type": "http"}, Recorder().receive, send))
+    await sending.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ran == [] and closed.is_set()
