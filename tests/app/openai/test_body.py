@@ -10,7 +10,7 @@ from app.openai.errors import APIError
 
 def refused(raw: bytes | dict) -> APIError:
     with pytest.raises(APIError) as err:
-        parse_body(raw) if isinstance(raw, bytes) else check_body(raw)
+        check_body(parse_body(raw) if isinstance(raw, bytes) else raw)
     assert err.value.status == 400
     return err.value
 
@@ -21,7 +21,7 @@ def test_deep_nesting_is_400_at_any_depth():
     body = b'{"metadata":' + b"[" * 200 + b"]" * 200 + b"}"  # parses, still refused
     assert refused(body).param is not None
     ok = b'{"a":' + b"[" * (MAX_DEPTH - 1) + b"]" * (MAX_DEPTH - 1) + b"}"
-    assert parse_body(ok) is not None
+    check_body(parse_body(ok))
 
 
 def test_lone_surrogates_name_their_field():
@@ -29,7 +29,9 @@ def test_lone_surrogates_name_their_field():
     assert error.param == "messages[0].content" and "surrogate" in error.message
     assert refused({"stop": ["ok", "\udfff"]}).param == "stop[1]"
     assert refused({"metadata": {"\ud800": 1}}).param == "metadata"
-    assert parse_body('{"content":"\\ud83d\\ude42 café"}'.encode())["content"] == "🙂 café"
+    fine = parse_body('{"content":"\\ud83d\\ude42 café"}'.encode())
+    check_body(fine)
+    assert fine["content"] == "🙂 café"
 
 
 def test_other_bad_bodies():
