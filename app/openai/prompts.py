@@ -42,7 +42,9 @@ def prompt_byte_limit(tokenizer: Any, max_model_len: int) -> int | None:
     if not lossless:
         return None
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    longest = max(len(t.encode("utf-8", "surrogatepass")) for t in tokens if t)
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tokens if t), default=0)
+    if longest == 0:
+        return None
     slack = 1 if backend.normalizer is None else NORMALIZER_SLACK
     return longest * slack * max_model_len
 
