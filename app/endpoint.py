@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.errors import APIError
+from app.openai.errors import APIError
+from app.openai.prompts import prompt_byte_limit
 from engine.protocol import EngineClient
 
 
@@ -22,6 +23,10 @@ class ModelEndpoint:
     `name` is what clients send as `model` (plus any `aliases`); `tokenizer` is a
     transformers tokenizer (its `chat_template` renders chat requests); `max_model_len`
     bounds prompt + completion tokens; `root` is the underlying model (path or name).
+    `max_requests` is the most engine requests one call may create (prompts × `n`): more
+    could never be admitted together, so such a call is a 400 stating the limit (None: no
+    limit). `prompt_byte_limit` (derived once) is the UTF-8 size past which a prompt cannot
+    fit in the context (`app.openai.prompts`).
     """
 
     name: str
@@ -30,12 +35,15 @@ class ModelEndpoint:
     client: EngineClient
     aliases: tuple[str, ...] = ()
     root: str | None = None
+    max_requests: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     vocab_size: int = field(init=False)
+    prompt_byte_limit: int | None = field(init=False)
     _token_texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.vocab_size = len(self.tokenizer)
+        self.prompt_byte_limit = prompt_byte_limit(self.tokenizer, self.max_model_len)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs), cached: at most vocab entries."""

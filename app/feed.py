@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from app.errors import EngineRequestError
+from app.openai.errors import EngineRequestError
 from engine.protocol import EngineClient
 from engine.request import Request, TokenDelta, merge_deltas
 

@@ -9,6 +9,7 @@ first output takes longer than the gap, the stream starts with a keepalive comme
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -18,13 +19,12 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from app.disconnect import ClientDisconnected, Receive, until_disconnected
-from app.endpoint import ModelEndpoint
-from app.errors import to_api_error
 from app.feed import DeltaFeed
 from app.metrics import Metrics, RequestLabels
-from app.openai.render import Renderer
+from app.openai.complete import collect
+from app.openai.errors import to_api_error
+from app.openai.prepare import GenerationJob
 from app.sse import Event, SSEResponse
-from engine.request import Request
 
 logger = logging.getLogger("firstlight.app")
 
@@ -51,13 +51,9 @@ class Trace:
 
 @dataclass(slots=True)
 class Job:
-    """Everything the route decided; `requests[i]` produces choice `i`."""
+    """What the OpenAI layer decided (`work`), plus what HTTP adds: metric labels, a trace."""
 
-    request_id: str
-    endpoint: ModelEndpoint
-    requests: list[Request]
-    renderer: Renderer
-    stream: bool
+    work: GenerationJob
     labels: RequestLabels
     trace: Trace
 
@@ -72,18 +68,24 @@ class Runtime:
 
 
 async def run_job(job: Job, runtime: Runtime, receive: Receive) -> Response:
-    feed = DeltaFeed(job.endpoint.client, job.requests)
+    """The HTTP answer of `job`. A client that leaves (or a cancelled handler) before the
+    response starts is normal traffic: one INFO line, the engine requests aborted, counted."""
+    work = job.work
+    feed = DeltaFeed(work.endpoint.client, work.requests)
     try:
-        if not job.stream:
-            await until_disconnected(_collect(job, feed), receive)
+        if not work.stream:
+            await until_disconnected(collect(work, feed, job.trace.delivered), receive)
             await feed.close()
             return _finish_json(job, runtime)
         first = await until_disconnected(feed.next_batch(runtime.keepalive_s), receive)
         # render now, so an engine error in the first output is still an HTTP status
-        pending = [(job.renderer.chunk(i, d), bool(d.token_ids)) for i, d in first]
-    except ClientDisconnected:
+        pending = [(work.renderer.chunk(i, d), bool(d.token_ids)) for i, d in first]
+    except (ClientDisconnected, asyncio.CancelledError) as exc:
         await feed.close()
         runtime.metrics.record_cancelled(job.labels)
+        logger.info("request %s: client disconnected before the response", work.request_id)
+        if isinstance(exc, asyncio.CancelledError):
+            raise
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     except BaseException as exc:
         await feed.close()
@@ -91,19 +93,16 @@ async def run_job(job: Job, runtime: Runtime, receive: Receive) -> Response:
             runtime.metrics.record_error(job.labels, to_api_error(exc).code or "error")
         raise
     events = _stream_events(job, runtime, feed, pending, idle=not first)
-    return SSEResponse(events, stall_timeout_s=runtime.stall_timeout_s, request_id=job.request_id)
-
-
-async def _collect(job: Job, feed: DeltaFeed) -> None:
-    while not feed.finished:
-        for index, delta in await feed.next_batch(None):
-            job.renderer.absorb(index, delta)
-            if delta.token_ids:
-                job.trace.delivered()
+    return SSEResponse(
+        events,
+        stall_timeout_s=runtime.stall_timeout_s,
+        request_id=work.request_id,
+        on_close=feed.close,
+    )
 
 
 def _finish_json(job: Job, runtime: Runtime) -> Response:
-    body = job.renderer.response()
+    body = job.work.renderer.response()
     _record(job, runtime, body["usage"])
     timing = server_timing(body["firstlight"])
     return JSONResponse(body, headers={"Server-Timing": timing} if timing else None)
@@ -117,7 +116,7 @@ async def _stream_events(
     idle: bool,
 ) -> AsyncGenerator[Event, None]:
     """Chunks as they come; code after each `yield` runs once the frame has been sent."""
-    renderer, trace = job.renderer, job.trace
+    renderer, trace = job.work.renderer, job.trace
     done = False
     try:
         if idle:
@@ -152,7 +151,7 @@ async def _stream_events(
 
 
 def _record(job: Job, runtime: Runtime, usage: dict[str, Any]) -> None:
-    trace, renderer = job.trace, job.renderer
+    trace, renderer = job.trace, job.work.renderer
     e2e = time.monotonic() - trace.arrival
     longest = max(s.num_output_tokens for s in renderer.states)
     tpot = None
@@ -170,10 +169,10 @@ def _record(job: Job, runtime: Runtime, usage: dict[str, Any]) -> None:
         prompt_tokens=usage["prompt_tokens"],
         generation_tokens=usage["completion_tokens"],
     )
-    tags = job.requests[0].tags
+    work = job.work
     logger.info(
         "request %s done: model=%s class=%s tags=%s prompt=%d completion=%d ttft=%s e2e=%.1fms",
-        job.request_id, job.endpoint.name, job.labels[1], tags, usage["prompt_tokens"],
+        work.request_id, work.endpoint.name, job.labels[1], work.tags, usage["prompt_tokens"],
         usage["completion_tokens"], "-" if ttft is None else f"{ttft * 1e3:.1f}ms", e2e * 1e3,
     )  # fmt: skip
 

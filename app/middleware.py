@@ -12,7 +12,8 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from app.errors import APIError, bad_request, to_api_error
+from app.errors import error_response
+from app.openai.errors import APIError, bad_request, to_api_error
 
 logger = logging.getLogger("firstlight.app")
 
@@ -64,11 +65,11 @@ class EdgeMiddleware:
             receive = await self._limit_body(headers, receive)
             await self.app(scope, receive, send_with_id)
         except APIError as exc:  # raised by _limit_body, before the app ran
-            await exc.response()(scope, receive, send_with_id)
+            await error_response(exc)(scope, receive, send_with_id)
         except Exception as exc:
             logger.exception("request %s failed", request_id)
             if not started:
-                await to_api_error(exc, request_id).response()(scope, receive, send_with_id)
+                await error_response(to_api_error(exc, request_id))(scope, receive, send_with_id)
 
     async def _limit_body(self, headers: dict[bytes, bytes], receive: Receive) -> Receive:
         """Reject by `content-length` unread; a body without one is buffered up to the limit."""

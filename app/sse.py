@@ -22,14 +22,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.disconnect import ClientDisconnected, until_disconnected
-from app.errors import APIError, to_api_error
+from app.openai.errors import APIError, to_api_error
 
 logger = logging.getLogger("firstlight.app")
 
@@ -55,7 +55,8 @@ class SlowReader(Exception):
 
 
 class SSEResponse(Response):
-    """A 200 `text/event-stream` response whose frames come from `events`."""
+    """A 200 `text/event-stream` response whose frames come from `events`; `on_close` (if
+    given, idempotent) runs last, after the source has been closed, whatever happened."""
 
     def __init__(
         self,
@@ -64,8 +65,10 @@ class SSEResponse(Response):
         headers: Mapping[str, str] | None = None,
         stall_timeout_s: float | None = None,
         request_id: str | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.events = events
+        self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.stall_timeout_s = stall_timeout_s
@@ -79,10 +82,17 @@ class SSEResponse(Response):
             await until_disconnected(self._write(send), receive)
         except (ClientDisconnected, OSError):  # uvicorn's ClientDisconnected is an OSError
             logger.info("request %s: client disconnected mid-stream", self.request_id)
+        except asyncio.CancelledError:  # the server cancelled the handler: the client left
+            logger.info("request %s: stream cancelled", self.request_id)
+            raise
         except SlowReader:
             logger.warning("request %s: reader stalled, stream cut", self.request_id)
         finally:
+            # `_write` closed the source in its own task, unless it never started; by now it
+            # has ended (until_disconnected waits for it), so this cannot race the writer.
             await self.events.aclose()
+            if self.on_close is not None:  # the source's own cleanup never ran if it never started
+                await self.on_close()
 
     async def _send(self, send: Send, frame: bytes, more: bool = True) -> None:
         message = {"type": "http.response.body", "body": frame, "more_body": more}
@@ -98,6 +108,15 @@ class SSEResponse(Response):
             raise SlowReader
 
     async def _write(self, send: Send) -> None:
+        """Send every frame. The source is closed here, in the task that runs it: closing an
+        async generator from another task while it is suspended inside an `await` raises
+        "aclose(): asynchronous generator is already running"."""
+        try:
+            await self._write_frames(send)
+        finally:
+            await self.events.aclose()
+
+    async def _write_frames(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         events = self.events
         while True:

@@ -2,7 +2,8 @@
 
 The template is rendered to text and then encoded without adding special tokens again: the
 template already writes BOS and the role markers, and doubling them changes the model's
-input. Content given as a list of parts is joined with newlines (text parts only).
+input. Content given as a list of parts is joined with newlines (text parts only). The
+`developer` role (OpenAI's newer name for instructions) is given to templates as `system`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from app.errors import bad_request
+from app.openai.errors import bad_request
 from app.openai.schemas import ChatMessage
 
 
@@ -19,6 +20,8 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         item = message.model_dump(exclude_none=True)
+        if item["role"] == "developer":
+            item["role"] = "system"
         content = message.content
         if isinstance(content, list):
             item["content"] = "\n".join(
@@ -42,13 +45,19 @@ def _part_text(part: dict[str, Any], param: str) -> str:
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
     """Render `messages` with the tokenizer's chat template (generation prompt added)."""
+    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
+
+
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
+    """The prompt text of `messages` by the tokenizer's chat template (generation prompt
+    added); 400 naming `messages` when there is no template or it refuses them."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     conversation = template_messages(messages)
     try:
-        text = tokenizer.apply_chat_template(
+        text: str = tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=True
         )
     except Exception as exc:  # template errors (e.g. "roles must alternate") are the caller's
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.errors import EngineRequestError
+from app.openai.errors import EngineRequestError
 from app.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
 from engine.request import FinishReason, Timings, TokenDelta, TokenLogprob
 

@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI-compatible routes (pydantic, at the edge only).
 
 Unknown fields are ignored, never rejected: tools send many (`service_tier`, `user`,
-`parallel_tool_calls`, `stream_options.continuous_usage_stats`, ...). Values whose shape
-OpenAI allows in several forms (`stop`, `prompt`, message `content`) are normalized here so
-the rest of the app sees one form. Responses are plain dicts built in `app/render.py`
-(faster than pydantic per chunk).
+`parallel_tool_calls`, `stream_options.continuous_usage_stats`, ...). The exception is a
+field the server does not implement yet that asks for something (`tools`, `response_format`,
+`logit_bias`, ...): `app.openai.unsupported` refuses it before these models see the body.
+Values whose shape OpenAI allows in several forms (`stop`, `prompt`, message `content`) are
+normalized here so the rest of the app sees one form. Responses are plain dicts built in
+`app/openai/render.py` (faster than pydantic per chunk).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class _GenerationRequest(BaseModel):
     def sampling_params(
         self, *, max_tokens: int, logprobs: int | None, seed: int | None
     ) -> SamplingParams:
-        """Map to engine params and validate; `ValueError(param, message)` on a bad value."""
+        """Map to engine params and validate; `InvalidRequest(param, message)` on a bad value."""
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,

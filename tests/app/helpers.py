@@ -23,14 +23,21 @@ MODEL = "demo"
 MAX_MODEL_LEN = 128
 
 
-def make_app(engine: FakeEngine | None = None, **settings: Any) -> tuple[FastAPI, FakeEngine]:
+def make_app(
+    engine: FakeEngine | None = None,
+    *,
+    max_model_len: int = MAX_MODEL_LEN,
+    max_requests: int | None = None,
+    **settings: Any,
+) -> tuple[FastAPI, FakeEngine]:
     engine = engine or FakeEngine()
     endpoint = ModelEndpoint(
         name=MODEL,
         tokenizer=engine.tokenizer,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         client=engine,
         root="/models/demo",
+        max_requests=max_requests,
     )
     return build_app([endpoint], Settings(**settings)), engine
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.errors import APIError
+from app.openai.errors import APIError
 from app.sse import DONE_FRAME, KEEPALIVE_FRAME, SEND_BACKLOG_KEY, SSEResponse, data_frame
 
 
@@ -152,3 +152,58 @@ async def test_a_server_reported_backlog_past_the_limit_cuts_the_stream():
 
 async def run_scope(response: SSEResponse, scope: dict, recorder: Recorder) -> None:
     await response(scope, recorder.receive, recorder.send)
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_a_cancelled_handler_waits_for_the_source_to_clean_up(cancels, caplog):
+    """A server may cancel the handler (even twice) while the source is still cleaning up in
+    the writer task: the source must never be closed from outside while it runs."""
+    cleaned = asyncio.Event()
+    started = asyncio.Event()
+
+    async def events():
+        try:
+            yield {"n": 1}
+            started.set()
+            await asyncio.Event().wait()
+            yield {"never": True}
+        finally:
+            await asyncio.sleep(0.05)  # e.g. aborting engine requests
+            cleaned.set()
+
+    recorder = Recorder()
+    caplog.set_level("INFO", logger="firstlight")
+    task = asyncio.create_task(run(SSEResponse(events(), request_id="c-1"), recorder))
+    await started.wait()
+    for _ in range(cancels):
+        task.cancel()
+        await asyncio.sleep(0.01)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned.is_set()
+    records = [r for r in caplog.records if r.name.startswith("firstlight")]
+    assert [(r.levelname, r.exc_info) for r in records] == [("INFO", None)]
+    assert "c-1" in records[0].getMessage()
+
+
+async def test_on_close_runs_even_when_the_source_never_started():
+    ran, closed, sending = [], asyncio.Event(), asyncio.Event()
+
+    async def events():
+        ran.append(True)
+        yield {"n": 1}
+
+    async def on_close() -> None:
+        closed.set()
+
+    async def send(message: dict) -> None:
+        sending.set()
+        await asyncio.Event().wait()  # the response start never goes out
+
+    response = SSEResponse(events(), on_close=on_close)
+    task = asyncio.create_task(response({"type": "http"}, Recorder().receive, send))
+    await sending.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ran == [] and closed.is_set()
