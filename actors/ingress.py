@@ -78,6 +78,7 @@ class Ingress:
             max_model_len=info.max_model_len,
             client=self.client,
             root=config.engine.model,
+            max_requests=config.replica_max_ongoing_requests,  # what one replica can hold
         )
         self._sync_task = asyncio.create_task(self._sync_loop(), name="ingress-sync")
         await self._wait_for_first_view(timeout_s=max(5.0, 10 * interval))

@@ -90,6 +90,7 @@ def build_standalone(settings: Settings) -> FastAPI:
         max_model_len=engine.max_model_len,
         client=engine,
         root=settings.engine.model,
+        max_requests=settings.engine.scheduler.max_num_seqs + settings.engine.scheduler.max_waiting,
     )
 
     @contextlib.asynccontextmanager
