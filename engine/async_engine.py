@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,7 +176,7 @@ class AsyncEngine:
 
     # -- EngineClient ------------------------------------------------------------------------
 
-    async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: Request) -> AsyncGenerator[TokenDelta, None]:
         """Stream deltas for `request`. Raises InvalidRequest / QueueFull before the first."""
         if self._thread is None:
             await self.start()

@@ -10,7 +10,7 @@ produces them yet. They get a dataclass here (and metric families in
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from engine.request import RequestClass
@@ -89,3 +89,34 @@ class EngineStats:
     generation_tokens: int = 0
     num_cancelled: int = 0  # readers that left before the end
     num_reader_stalls: int = 0  # streams cut because their reader stalled
+
+
+def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
+    """Several engines (replicas of one model) as one: counts, blocks, bounds and drain rates
+    add up; KV usage is the block-weighted mean. No parts: an empty engine of zero size."""
+    parts = list(parts)
+    blocks = sum(p.kv.num_blocks for p in parts)
+    rates = [p.admission.drain_rate_per_s for p in parts if p.admission.drain_rate_per_s]
+    return EngineStats(
+        model=model,
+        running=sum((p.running for p in parts), ClassCounts()),
+        waiting=sum((p.waiting for p in parts), ClassCounts()),
+        kv=KVStats(
+            num_blocks=blocks,
+            num_free_blocks=sum(p.kv.num_free_blocks for p in parts),
+            usage=sum(p.kv.usage * p.kv.num_blocks for p in parts) / blocks if blocks else 0.0,
+            prefix_cache_queries=sum(p.kv.prefix_cache_queries for p in parts),
+            prefix_cache_hits=sum(p.kv.prefix_cache_hits for p in parts),
+        ),
+        admission=AdmissionStats(
+            max_waiting=sum(p.admission.max_waiting for p in parts),
+            interactive_reserve=sum(p.admission.interactive_reserve for p in parts),
+            drain_rate_per_s=sum(rates) if rates else None,
+        ),
+        num_preemptions=sum(p.num_preemptions for p in parts),
+        num_aborted=sum(p.num_aborted for p in parts),
+        num_steps=sum(p.num_steps for p in parts),
+        generation_tokens=sum(p.generation_tokens for p in parts),
+        num_cancelled=sum(p.num_cancelled for p in parts),
+        num_reader_stalls=sum(p.num_reader_stalls for p in parts),
+    )
