@@ -14,9 +14,9 @@ engine step, and its KV blocks return to the pool.
 
 Admission is decided on the event loop, in `attach`, by one `engine.sched.admission.Admission`:
 a refused request raises `QueueFull` at once, without waiting for the engine thread. The loop
-counts the waiting requests per class as those the last dispatched step reported plus those
-attached since that the engine has not taken yet, and feeds the admission's drain meter with
-the finished deltas it dispatches.
+estimates the waiting queues (`num_waiting_by_class`) from the last dispatched step and the
+requests attached since, and feeds the admission's drain meter with the finished deltas it
+dispatches.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Mapping, Sized
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineConfig
@@ -85,8 +85,13 @@ class _StepResult:
     deltas: list[TokenDelta]
     rejected: list[tuple[str, BaseException]]
     taken: ClassCounts  # adds this step took from the loop (accepted or rejected)
-    waiting: ClassCounts  # the scheduler's waiting queues after the step
+    waiting: ClassCounts  # the scheduler's queues after the step
+    running: ClassCounts
     ran: bool  # whether the step computed anything (false: nothing fits yet)
+
+
+def _counts(queues: Mapping[RequestClass, Sized]) -> ClassCounts:
+    return ClassCounts(len(queues[RequestClass.INTERACTIVE]), len(queues[RequestClass.BULK]))
 
 
 class AsyncEngine:
@@ -102,6 +107,12 @@ class AsyncEngine:
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
         self.admission = admission or Admission(engine.config.scheduler.max_waiting)
+        # Admission is decided on the loop, where the requests that will find a free seat do
+        # not count as waiting. `Scheduler.add` still refuses past its own `max_waiting`,
+        # counting them (they are added before the step seats them): lift that check by the
+        # seats so it stays a backstop that never refuses what admission let in.
+        sched = engine.scheduler.config
+        engine.scheduler.config = replace(sched, max_waiting=sched.max_waiting + sched.max_num_seqs)
         self._slots: dict[str, OutputSlot] = {}
         # Inputs for the engine thread, guarded by _cond's lock.
         self._cond = threading.Condition()
@@ -114,6 +125,7 @@ class AsyncEngine:
         # The loop's view of the waiting queues (read and written on the event loop only):
         # as of the last dispatched step, plus adds attached since that no step took yet.
         self._waiting = ClassCounts()
+        self._running = ClassCounts()
         self._untaken = ClassCounts()
         self.num_cancelled = 0
         self.num_stalled = 0
@@ -222,9 +234,22 @@ class AsyncEngine:
 
     @property
     def num_waiting_by_class(self) -> ClassCounts:
-        """Waiting requests per class as admission sees them (an upper bound of the
-        scheduler's, but for preemptions since the last step)."""
-        return self._waiting + self._untaken
+        """Waiting requests per class as admission sees them: those waiting after the last
+        dispatched step, plus the requests attached since that the engine has not taken yet,
+        less the seats (`max_num_seqs`) those will find free, interactive first. Seats count
+        as free only while nothing waits (else something other than seats holds the queue).
+        An estimate: the scheduler's queue may end up longer by at most the free seats (a
+        step that cannot seat everyone, e.g. KV full) or the preemptions since that step."""
+        waiting, untaken = self._waiting, self._untaken
+        free = 0
+        if waiting.total == 0:
+            free = max(0, self.engine.config.scheduler.max_num_seqs - self._running.total)
+        seated_interactive = min(free, untaken.interactive)
+        seated_bulk = min(free - seated_interactive, untaken.bulk)
+        return ClassCounts(
+            waiting.interactive + untaken.interactive - seated_interactive,
+            waiting.bulk + untaken.bulk - seated_bulk,
+        )
 
     def stats(self) -> EngineStats:
         sched = self.engine.scheduler.stats()
@@ -263,7 +288,7 @@ class AsyncEngine:
         loop = self._loop
         assert loop is not None
         idle_steps = 0
-        posted = ClassCounts()  # the waiting counts last posted to the loop
+        posted = (ClassCounts(), ClassCounts())  # the queue sizes last posted to the loop
         try:
             while True:
                 with self._cond:
@@ -276,8 +301,9 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 result = self._step(adds, aborts)
-                if result.deltas or result.rejected or adds or result.waiting != posted:
-                    posted = result.waiting
+                queues = (result.waiting, result.running)
+                if result.deltas or result.rejected or adds or queues != posted:
+                    posted = queues
                     loop.call_soon_threadsafe(self._dispatch, result)
                 # Work is queued but nothing fits yet (all blocks held): back off, don't spin.
                 idle_steps = 0 if result.ran else idle_steps + 1
@@ -303,9 +329,15 @@ class AsyncEngine:
                 rejected.append((request.request_id, exc))
         steps = self.engine.counters.steps
         deltas = self.engine.step()
-        queues = self.engine.scheduler.waiting
-        waiting = ClassCounts(len(queues[RequestClass.INTERACTIVE]), len(queues[RequestClass.BULK]))
-        return _StepResult(deltas, rejected, taken, waiting, self.engine.counters.steps != steps)
+        sched = self.engine.scheduler
+        return _StepResult(
+            deltas,
+            rejected,
+            taken,
+            waiting=_counts(sched.waiting),
+            running=_counts(sched.running),
+            ran=self.engine.counters.steps != steps,
+        )
 
     # -- on the event loop -------------------------------------------------------------------
 
@@ -316,6 +348,7 @@ class AsyncEngine:
     def _dispatch(self, result: _StepResult) -> None:
         now = time.monotonic()
         self._waiting = result.waiting
+        self._running = result.running
         taken = result.taken
         self._untaken = ClassCounts(
             self._untaken.interactive - taken.interactive, self._untaken.bulk - taken.bulk

@@ -13,7 +13,8 @@ not bounded here (the step scheduler's `max_num_seqs` bounds them).
 Retry-After: how long the requests ahead of the refused one take to drain at the measured
 drain rate (finishes per second over the last `window_s`), clamped to
 [`min_retry_after_s`, `max_retry_after_s`]. Ahead of an interactive request are the waiting
-interactive ones (interactive is scheduled first); ahead of a bulk request, every waiting one.
+interactive ones (interactive is scheduled first); ahead of a bulk request, every waiting one;
+at least one request must leave in any case (a refused request found the queue full).
 Before two finishes were seen in the window, it is `min_retry_after_s`.
 
 Plain Python with an injected clock; not thread-safe (the AsyncEngine uses it on its event
@@ -64,10 +65,11 @@ def retry_after_s(
     lo: float = MIN_RETRY_AFTER_S,
     hi: float = MAX_RETRY_AFTER_S,
 ) -> float:
-    """`ahead` requests at `drain_rate_per_s` finishes per second, clamped to [lo, hi]."""
+    """`ahead` requests (at least one) at `drain_rate_per_s` finishes per second, clamped to
+    [lo, hi]; `lo` while the rate is unknown."""
     if not drain_rate_per_s or drain_rate_per_s <= 0.0:
         return lo
-    return min(hi, max(lo, ahead / drain_rate_per_s))
+    return min(hi, max(lo, max(1, ahead) / drain_rate_per_s))
 
 
 class DrainMeter:

@@ -178,18 +178,19 @@ async def test_a_bulk_flood_never_gets_interactive_refused_and_refusal_needs_no_
         slots[rid] = slot
 
     try:
-        for i in range(3):
+        for i in range(5):  # 2 find a seat, 3 wait
             attach(f"bulk{i}", RequestClass.BULK)
+        assert engine.num_waiting_by_class == ClassCounts(bulk=3)
         with pytest.raises(QueueFull) as bulk_refused:
-            attach("bulk3", RequestClass.BULK)  # the last place is interactive's
+            attach("bulk5", RequestClass.BULK)  # the last place is interactive's
         attach("chat0", RequestClass.INTERACTIVE)
+        assert engine.num_waiting_by_class == ClassCounts(bulk=4)  # chat0 is seated first
         with pytest.raises(QueueFull):
             attach("chat1", RequestClass.INTERACTIVE)  # now the queue is full
         assert bulk_refused.value.retry_after_s == 1.0  # nothing finished yet: the floor
-        assert engine.num_waiting_by_class == ClassCounts(interactive=1, bulk=3)
         gate.open()
         done = await drain(engine, slots)
-        assert sorted(done) == ["bulk0", "bulk1", "bulk2", "chat0"]
+        assert sorted(done) == ["bulk0", "bulk1", "bulk2", "bulk3", "bulk4", "chat0"]
         for deltas in done.values():
             assert sum(len(d.token_ids) for d in deltas) == 4
             assert deltas[-1].finish_reason is FinishReason.LENGTH
@@ -215,14 +216,14 @@ async def test_retry_after_is_the_queue_ahead_over_the_measured_drain_rate() -> 
         assert engine.stats().admission.drain_rate_per_s == pytest.approx(0.5)
         gate = StepGate(engine.engine)
         slots = {}
-        for i in range(4):
+        for i in range(5):  # one is seated, four wait
             slots[f"q{i}"] = OutputSlot()
             engine.attach(make_request(f"q{i}", prompt_ids(i, 8), greedy(2)), slots[f"q{i}"])
         with pytest.raises(QueueFull) as info:
             engine.attach(make_request("over", prompt_ids(9, 8), greedy(2)), OutputSlot())
         assert info.value.retry_after_s == pytest.approx(8.0)  # 4 ahead / 0.5 per second
         gate.open()
-        assert len(await drain(engine, slots)) == 4
+        assert len(await drain(engine, slots)) == 5
     finally:
         await engine.shutdown()
 
