@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 
 from app.metric_snapshot import Snapshot, engine_snapshot, merge_snapshots
 from engine.errors import QueueFull, Unavailable
-from engine.request import Request
+from engine.request import Request, RequestClass
 from engine.sched.admission import has_room, requests_ahead, retry_after_s
 from engine.stats import EngineStats, sum_engine_stats
 
@@ -147,6 +147,12 @@ class ClusterState:
         return ClusterSnapshot(view=view, metrics=self.metrics_except(report.ingress_id))
 
 
+def _has_room(replica: ReplicaView, request_class: RequestClass) -> bool:
+    stats = replica.stats
+    bounds = stats.admission
+    return has_room(request_class, stats.waiting, bounds.max_waiting, bounds.interactive_reserve)
+
+
 def _now(now: float | None) -> float:
     return time.monotonic() if now is None else now
 
@@ -196,19 +202,24 @@ class ClusterCache:
                 raise Unavailable(f"no replica of {self.model!r} is running")
             return
         cls = request.request_class
-        soonest: float | None = None
-        for replica in replicas:
-            stats = replica.stats
-            bounds = stats.admission
-            if has_room(cls, stats.waiting, bounds.max_waiting, bounds.interactive_reserve):
-                return
-            wait = retry_after_s(requests_ahead(cls, stats.waiting), bounds.drain_rate_per_s)
-            soonest = wait if soonest is None else min(soonest, wait)
-        assert soonest is not None
+        if any(_has_room(r, cls) for r in replicas):
+            return
         raise QueueFull(
             f"every replica's waiting queue is full for {cls.value} requests",
-            retry_after_s=soonest,
+            retry_after_s=self.retry_after_s(cls),
         )
+
+    def retry_after_s(self, request_class: RequestClass) -> float:
+        """When a replica should have room for `request_class` by the engine's own rule: the
+        soonest over the live replicas (the floor when none is known). Also the value for a
+        refusal that comes from elsewhere (Serve's backpressure), so clients get one rule."""
+        waits = [
+            retry_after_s(
+                requests_ahead(request_class, r.stats.waiting), r.stats.admission.drain_rate_per_s
+            )
+            for r in self.replicas()
+        ]
+        return min(waits, default=retry_after_s(0, None))
 
     def stats(self) -> EngineStats:
         """The live replicas summed as one engine (what `ReplicaClient.stats()` returns)."""

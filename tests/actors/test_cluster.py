@@ -169,6 +169,9 @@ def test_cache_refuses_bulk_at_its_share_and_interactive_only_when_every_queue_i
     with pytest.raises(QueueFull) as refused:
         cache.admit(REQUEST, now=3.0)
     assert refused.value.retry_after_s == pytest.approx(8 / 2.0)  # 8 interactive ahead
+    assert cache.retry_after_s(RequestClass.INTERACTIVE) == refused.value.retry_after_s
+    cache.update(view_of(), now=4.0)
+    assert cache.retry_after_s(RequestClass.BULK) == 1.0  # nothing known: the floor
 
 
 def test_cache_answers_unavailable_once_replicas_were_seen_and_are_gone():
