@@ -13,8 +13,10 @@ from actors.cluster import ReplicaReport
 from actors.messages import ErrorKind, ReplicaError, ReplicaInfo
 from actors.model_replica import ModelReplica
 from engine.request import Request, SamplingParams
+from engine.sched.admission import Admission
 from engine.stats import EngineStats
 from tests.actors.helpers import require_demo_model, small_config
+from tests.engine.step_gate import FakeClock
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +90,14 @@ async def test_refusals_come_back_as_one_typed_item():
         assert len(items) == 1 and isinstance(items[0], ReplicaError)
         assert (items[0].kind, items[0].param) == (ErrorKind.INVALID, "prompt")
 
+        # A drain rate of 0.5 per second (finishes at t = 0, 2, 4 on the admission's clock).
+        clock = FakeClock()
+        replica.engine.admission = Admission(4, clock=clock)
+        for _ in range(3):
+            replica.engine.admission.record_finished()
+            clock.advance(2.0)
+        clock.advance(-2.0)
+
         # 4 running + 4 waiting fill this replica; the rest are refused with 429 semantics.
         prompt = await prompt_ids(replica)
         streams = [replica.generate(request(f"f{i}", prompt, max_tokens=64)) for i in range(12)]
@@ -95,6 +105,9 @@ async def test_refusals_come_back_as_one_typed_item():
         refused = [f for f in firsts if isinstance(f, ReplicaError)]
         assert refused and all(f.kind is ErrorKind.QUEUE_FULL for f in refused)
         assert len(refused) <= 12 - 4
+        # The Retry-After crossing the hop is the engine's decision: 4 ahead at 0.5 per second.
+        assert {f.retry_after_s for f in refused} == {8.0}
+        assert refused[0].exception().retry_after_s == 8.0  # what the ingress re-raises
         for s in streams:
             await s.aclose()
     finally:
