@@ -4,29 +4,34 @@ Plain Python (no Ray), so the control plane deployment stays a thin shell and th
 tested without a cluster. Messages are dataclasses with slots; snapshots are
 `app.metric_snapshot` plain data.
 
-Flow (never per token): every ModelReplica pushes a `ReplicaReport` (its `AsyncEngine.stats()`)
-every ~0.5 s; every ingress pushes an `IngressReport` (its HTTP metrics snapshot) and gets back
-a `ClusterSnapshot`: the `ClusterView` for admission/routing plus the metrics of everything
-*except* itself, so it renders one `/metrics` for the whole application by merging its own
-fresh snapshot with that. A source silent for longer than the TTL leaves the view.
+Flow (never per token): every ModelReplica pushes a `ReplicaReport` (its `AsyncEngine.stats()`,
+a typed `EngineStats`) every ~0.5 s; every ingress pushes an `IngressReport` (its HTTP metrics
+snapshot) and gets back a `ClusterSnapshot`: the `ClusterView` for admission/routing plus the
+metrics of everything *except* itself, so it renders one `/metrics` for the whole application
+by merging its own fresh snapshot with that. A source silent for longer than the TTL leaves
+the view.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 from app.metric_snapshot import Snapshot, engine_snapshot, merge_snapshots
-from engine.errors import Unavailable
-from engine.request import Request
+from engine.errors import QueueFull, Unavailable
+from engine.request import Request, RequestClass
+from engine.sched.admission import has_room, requests_ahead, retry_after_s
+from engine.stats import EngineStats, sum_engine_stats
+
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
 class ReplicaReport:
     replica_id: str
     model: str
-    stats: dict[str, Any]  # AsyncEngine.stats(): plain numbers and {class: number} maps
+    stats: EngineStats  # its AsyncEngine.stats()
     healthy: bool = True
 
 
@@ -38,37 +43,32 @@ class IngressReport:
 
 @dataclass(slots=True, frozen=True)
 class ReplicaView:
-    """One replica as admission and routing see it."""
+    """One replica as admission and routing see it: its last reported engine stats."""
 
     replica_id: str
     model: str
-    kv_usage: float
-    kv_free_blocks: int
-    running: int
-    waiting: int
-    waiting_by_class: dict[str, int]
+    stats: EngineStats
     age_s: float  # seconds since its last report, when the view was built
 
     @classmethod
     def from_report(cls, report: ReplicaReport, age_s: float) -> ReplicaView:
-        stats = report.stats
-        waiting = _by_class(stats.get("num_requests_waiting"))
-        return cls(
-            replica_id=report.replica_id,
-            model=report.model,
-            kv_usage=float(stats.get("kv_cache_usage_perc", 0.0)),
-            kv_free_blocks=int(stats.get("kv_num_free_blocks", 0)),
-            running=sum(_by_class(stats.get("num_requests_running")).values()),
-            waiting=sum(waiting.values()),
-            waiting_by_class=waiting,
-            age_s=age_s,
-        )
+        return cls(report.replica_id, report.model, report.stats, age_s)
 
+    @property
+    def running(self) -> int:
+        return self.stats.running.total
 
-def _by_class(value: Any) -> dict[str, int]:
-    if isinstance(value, dict):
-        return {str(k): int(v) for k, v in value.items()}
-    return {"all": int(value or 0)}
+    @property
+    def waiting(self) -> int:
+        return self.stats.waiting.total
+
+    @property
+    def kv_usage(self) -> float:
+        return self.stats.kv.usage
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return self.stats.kv.num_free_blocks
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,8 +91,8 @@ class ClusterSnapshot:
 
 
 @dataclass(slots=True)
-class _Seen:
-    report: Any
+class _Seen(Generic[R]):
+    report: R
     at: float  # monotonic time of arrival at the control plane
 
 
@@ -101,8 +101,8 @@ class ClusterState:
     """The control plane's memory: latest report per source, expired after `ttl_s`."""
 
     ttl_s: float = 3.0
-    replicas: dict[str, _Seen] = field(default_factory=dict)
-    ingresses: dict[str, _Seen] = field(default_factory=dict)
+    replicas: dict[str, _Seen[ReplicaReport]] = field(default_factory=dict)
+    ingresses: dict[str, _Seen[IngressReport]] = field(default_factory=dict)
 
     def report_replica(self, report: ReplicaReport, now: float | None = None) -> None:
         self.replicas[report.replica_id] = _Seen(report, _now(now))
@@ -147,6 +147,12 @@ class ClusterState:
         return ClusterSnapshot(view=view, metrics=self.metrics_except(report.ingress_id))
 
 
+def _has_room(replica: ReplicaView, request_class: RequestClass) -> bool:
+    stats = replica.stats
+    bounds = stats.admission
+    return has_room(request_class, stats.waiting, bounds.max_waiting, bounds.interactive_reserve)
+
+
 def _now(now: float | None) -> float:
     return time.monotonic() if now is None else now
 
@@ -174,23 +180,47 @@ class ClusterCache:
     def fresh(self, now: float | None = None) -> bool:
         return self.synced_at is not None and _now(now) - self.synced_at <= self.stale_after_s
 
-    def admit(self, request: Request, now: float | None = None) -> None:
-        """Refuse early (503, no hop) when no replica of the model is live.
+    def replicas(self) -> tuple[ReplicaView, ...]:
+        """The live replicas of this ingress's model, as of the last sync."""
+        return self.snapshot.view.for_model(self.model)
 
-        Full queues are not refused here: a view up to a sync period old would turn away
-        requests a replica has room for again, so 429 stays with the engine's own bounded
-        queue (and Serve's `max_queued_requests`), one hop away."""
+    def admit(self, request: Request, now: float | None = None) -> None:
+        """Refuse early (no hop) from a fresh view: 503 when no replica of the model is live;
+        429 when no live replica has room for the request's class by the engine's own rule
+        (`engine.sched.admission`) applied to its reported queue, with the Retry-After of the
+        replica that drains soonest by that same rule.
+
+        So bulk is refused here once every replica's bulk room is taken, while interactive
+        requests go through as long as any replica reported interactive room. The view is up
+        to a sync period old; a replica that has room again answers for itself one hop away,
+        and a stale cache refuses nothing (the engines decide)."""
         if not self.fresh(now):
             return
-        if not self.snapshot.view.for_model(self.model) and self.seen_replica:
-            raise Unavailable(f"no replica of {self.model!r} is running")
+        replicas = self.replicas()
+        if not replicas:
+            if self.seen_replica:
+                raise Unavailable(f"no replica of {self.model!r} is running")
+            return
+        cls = request.request_class
+        if any(_has_room(r, cls) for r in replicas):
+            return
+        raise QueueFull(
+            f"every replica's waiting queue is full for {cls.value} requests",
+            retry_after_s=self.retry_after_s(cls),
+        )
 
-    def stats(self) -> dict[str, Any]:
-        """Sums over live replicas (what `ReplicaClient.stats()` returns)."""
-        replicas = self.snapshot.view.for_model(self.model)
-        return {
-            "num_replicas": len(replicas),
-            "num_requests_running": sum(r.running for r in replicas),
-            "num_requests_waiting": sum(r.waiting for r in replicas),
-            "kv_num_free_blocks": sum(r.kv_free_blocks for r in replicas),
-        }
+    def retry_after_s(self, request_class: RequestClass) -> float:
+        """When a replica should have room for `request_class` by the engine's own rule: the
+        soonest over the live replicas (the floor when none is known). Also the value for a
+        refusal that comes from elsewhere (Serve's backpressure), so clients get one rule."""
+        waits = [
+            retry_after_s(
+                requests_ahead(request_class, r.stats.waiting), r.stats.admission.drain_rate_per_s
+            )
+            for r in self.replicas()
+        ]
+        return min(waits, default=retry_after_s(0, None))
+
+    def stats(self) -> EngineStats:
+        """The live replicas summed as one engine (what `ReplicaClient.stats()` returns)."""
+        return sum_engine_stats(self.model, (r.stats for r in self.replicas()))

@@ -1,4 +1,5 @@
-"""Messages of the token-path boundary (ModelReplica → ingress), besides `TokenDelta`.
+"""Messages of the token-path boundary (ModelReplica → ingress), besides `TokenDelta`, and
+the replica's typed stats.
 
 A request the engine refuses before its first token (bad request, full queue, dead engine)
 comes back as one `ReplicaError` item instead of a raised exception: a typed value crosses
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from engine.errors import InvalidRequest, QueueFull, Unavailable
+from engine.stats import EngineStats
 
 
 class ErrorKind(StrEnum):
@@ -52,3 +54,12 @@ class ReplicaInfo:
     model: str  # the served model name
     model_path: str  # local directory of weights and tokenizer
     max_model_len: int
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaStats:
+    """`ModelReplica.stats()`: its engine's stats plus what only the replica process knows."""
+
+    replica_id: str
+    rss_bytes: int  # resident memory of the replica process
+    engine: EngineStats

@@ -24,13 +24,12 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.cluster import ReplicaReport
-from actors.messages import ReplicaError, ReplicaInfo
+from actors.messages import ReplicaError, ReplicaInfo, ReplicaStats
 from actors.runtime import node_id, replica_id, rss_bytes
 from actors.settings import AppConfig
 from actors.token_channel import ChannelAddress, ChannelPool
@@ -45,7 +44,9 @@ logger = logging.getLogger("firstlight.replica")
 
 @serve.deployment(name="ModelReplica")
 class ModelReplica:
-    async def __init__(self, config: AppConfig, control_plane: DeploymentHandle | None = None):
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self, config: AppConfig, control_plane: DeploymentHandle | None = None
+    ):
         self.config = config
         self.control_plane = control_plane
         self.replica_id = replica_id()
@@ -127,20 +128,18 @@ class ModelReplica:
             max_model_len=self.engine.max_model_len,
         )
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> ReplicaStats:
         """Engine stats plus `replica_id` and `rss_bytes` (resident memory of this process)."""
-        stats = self.engine.stats()
-        stats["replica_id"] = self.replica_id
-        stats["rss_bytes"] = rss_bytes()
-        return stats
+        return ReplicaStats(self.replica_id, rss_bytes(), self.engine.stats())
 
-    async def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> dict[str, float]:
+        """What Serve's request router reads (Serve takes a dict of numbers here)."""
         stats = self.engine.stats()
         return {
-            "kv_cache_usage_perc": stats["kv_cache_usage_perc"],
-            "kv_num_free_blocks": stats["kv_num_free_blocks"],
-            "num_requests_running": sum(stats["num_requests_running"].values()),
-            "num_requests_waiting": sum(stats["num_requests_waiting"].values()),
+            "kv_cache_usage_perc": stats.kv.usage,
+            "kv_num_free_blocks": stats.kv.num_free_blocks,
+            "num_requests_running": stats.running.total,
+            "num_requests_waiting": stats.waiting.total,
         }
 
     async def _report_loop(self) -> None:
@@ -150,7 +149,7 @@ class ModelReplica:
                 report = ReplicaReport(
                     replica_id=self.replica_id,
                     model=self.config.served_model_name,
-                    stats=await self.stats(),
+                    stats=self.engine.stats(),
                     healthy=self.engine.is_healthy,
                 )
                 async with asyncio.timeout(max(1.0, 4 * interval)):

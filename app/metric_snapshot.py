@@ -11,10 +11,10 @@ Counter family names carry no `_total` (the text format adds it). Merging sums s
 equal label values, gauges included: a gauge that must not be summed across processes (KV
 usage of each replica) needs a label that tells the processes apart (e.g. `replica`).
 
-`engine_snapshot` turns an `EngineClient.stats()` dict into a snapshot. Recognized keys (a
-trailing `_total` is ignored) are those of `ENGINE_METRICS`; a value is a number, a mapping
-{label value: number} (labelled by the table's label, e.g. per request class), or a list of
-numbers (labelled by position). Other keys and shapes are skipped.
+`engine_snapshot` turns one engine's typed `EngineStats` into a snapshot: each family below
+reads one field, so a renamed field fails the type check instead of rendering 0. Families
+exist only for what an engine produces (no speculative-decoding families until a proposer
+counts drafts).
 """
 
 from __future__ import annotations
@@ -32,32 +32,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from engine.stats import ClassCounts, EngineStats
+
 logger = logging.getLogger("firstlight.metrics")
 
 Snapshot = dict[str, dict[str, Any]]
 PREFIX = "firstlight_"
-
-# stats key → (type, help, label for mapping/list values)
-ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
-    "num_requests_running": ("gauge", "Requests in the engine's running batch.", "class"),
-    "num_requests_waiting": ("gauge", "Requests waiting to be scheduled.", "class"),
-    "kv_cache_usage_perc": ("gauge", "Fraction of KV cache blocks in use (1 = full).", "kind"),
-    "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache.", "kind"),
-    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache.", "kind"),
-    "kv_num_blocks": ("gauge", "KV cache blocks in the pool.", "kind"),
-    "kv_num_free_blocks": ("gauge", "KV cache blocks free.", "kind"),
-    "num_preemptions": ("counter", "Requests preempted for KV space (recomputed).", "class"),
-    "num_aborted": ("counter", "Requests aborted in the engine (client left, deadline).", "kind"),
-    "num_reader_stalls": ("counter", "Streams cut because the reader stalled.", "kind"),
-    "spec_decode_num_drafts": ("counter", "Speculative decoding draft proposals.", "kind"),
-    "spec_decode_num_draft_tokens": ("counter", "Draft tokens proposed.", "kind"),
-    "spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted.", "kind"),
-    "spec_decode_num_accepted_tokens_per_pos": (
-        "counter",
-        "Draft tokens accepted at each draft position.",
-        "position",
-    ),
-}
 
 
 def merge_snapshots(*snapshots: Snapshot) -> Snapshot:
@@ -139,33 +119,51 @@ def render_snapshot(snapshot: Snapshot) -> bytes:
     return generate_latest(registry)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def _family(
+    kind: str, doc: str, names: list[str], series: list[tuple[list[str], float]]
+) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "help": doc,
+        "labels": names,
+        "series": [{"labels": values, "value": value} for values, value in series],
+    }
 
 
-def engine_snapshot(stats: Mapping[str, Any], labels: Mapping[str, str]) -> Snapshot:
-    """The recognized entries of one engine's `stats()` as a snapshot with base `labels`."""
-    snapshot: Snapshot = {}
-    base_names, base_values = list(labels), list(labels.values())
-    for key, value in stats.items():
-        spec = ENGINE_METRICS.get(key.removesuffix("_total"))
-        if spec is None:
-            continue
-        kind, doc, extra = spec
-        if _is_number(value):
-            names, series = base_names, [(base_values, float(value))]
-        elif isinstance(value, Mapping) and all(_is_number(v) for v in value.values()):
-            names = [*base_names, extra]
-            series = [([*base_values, str(k)], float(v)) for k, v in value.items()]
-        elif isinstance(value, list | tuple) and all(_is_number(v) for v in value):
-            names = [*base_names, extra]
-            series = [([*base_values, str(i)], float(v)) for i, v in enumerate(value)]
-        else:
-            continue
-        snapshot[PREFIX + key.removesuffix("_total")] = {
-            "type": kind,
-            "help": doc,
-            "labels": names,
-            "series": [{"labels": values, "value": v} for values, v in series],
-        }
-    return snapshot
+def engine_snapshot(stats: EngineStats, labels: Mapping[str, str]) -> Snapshot:
+    """One engine's stats as a snapshot whose series all carry the base `labels`."""
+    names, values = list(labels), list(labels.values())
+
+    def one(kind: str, doc: str, value: float) -> dict[str, Any]:
+        return _family(kind, doc, names, [(values, float(value))])
+
+    def per_class(doc: str, counts: ClassCounts) -> dict[str, Any]:
+        series = [([*values, cls], float(n)) for cls, n in counts.items()]
+        return _family("gauge", doc, [*names, "class"], series)
+
+    kv = stats.kv
+    families = {
+        "num_requests_running": per_class("Requests in the engine's running batch.", stats.running),
+        "num_requests_waiting": per_class("Requests waiting to be scheduled.", stats.waiting),
+        "kv_cache_usage_perc": one(
+            "gauge", "Fraction of KV cache blocks in use (1 = full).", kv.usage
+        ),
+        "kv_num_blocks": one("gauge", "KV cache blocks in the pool.", kv.num_blocks),
+        "kv_num_free_blocks": one("gauge", "KV cache blocks free.", kv.num_free_blocks),
+        "prefix_cache_queries": one(
+            "counter", "Prompt tokens looked up in the prefix cache.", kv.prefix_cache_queries
+        ),
+        "prefix_cache_hits": one(
+            "counter", "Prompt tokens found in the prefix cache.", kv.prefix_cache_hits
+        ),
+        "num_preemptions": one(
+            "counter", "Requests preempted for KV space (recomputed).", stats.num_preemptions
+        ),
+        "num_aborted": one(
+            "counter", "Requests aborted in the engine (client left, deadline).", stats.num_aborted
+        ),
+        "num_reader_stalls": one(
+            "counter", "Streams cut because the reader stalled.", stats.num_reader_stalls
+        ),
+    }
+    return {PREFIX + name: family for name, family in families.items()}

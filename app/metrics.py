@@ -10,8 +10,9 @@ Labels: model, class, feature, prompt_version. Tag values are bounded: the first
 missing tag is "none", so a client cannot grow the series count without limit.
 
 Engine gauges and counters are not stored: `engine_stats` is called at snapshot time and its
-dicts are converted by `metric_snapshot.engine_snapshot`. `snapshot()` is plain data; in Ray
-Serve mode each process snapshots, and one scrape renders `render(*other_snapshots)`.
+typed `EngineStats` are converted by `metric_snapshot.engine_snapshot`. `snapshot()` is plain
+data; in Ray Serve mode each process snapshots, and one scrape renders
+`render(*other_snapshots)`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from app.metric_snapshot import (
     merge_snapshots,
     render_snapshot,
 )
+from engine.stats import EngineStats
 
 logger = logging.getLogger("firstlight.metrics")
 
@@ -42,8 +44,8 @@ LATENCY_BUCKETS = (
     0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
 )  # fmt: skip
 RequestLabels = tuple[str, str, str, str]  # values of LABELS
-# () → [(base labels, stats dict)], e.g. [({"model": "demo"}, engine.stats())]
-EngineStatsSource = Callable[[], Iterable[tuple[Mapping[str, str], Mapping[str, Any]]]]
+# () → [(base labels, stats)], e.g. [({"model": "demo"}, engine.stats())]
+EngineStatsSource = Callable[[], Iterable[tuple[Mapping[str, str], EngineStats]]]
 
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Time from request arrival to the first token chunk.",

@@ -137,7 +137,7 @@ async def oversubscribed(config: EngineConfig, rng: random.Random, lo: int, hi: 
             return_exceptions=True,
         )
         errors = sum(1 for r in results if isinstance(r, BaseException) or r["n"] != out_len)
-        return {"errors": errors, "preemptions": engine.stats()["num_preemptions"]}
+        return {"errors": errors, "preemptions": engine.stats().num_preemptions}
     finally:
         await engine.shutdown()
 

@@ -11,6 +11,12 @@ one (backpressure by coalescing, memory bounded by the request's own output). A 
 leaves a delta unread for longer than `stall_timeout_s` is cut: its request is aborted and its
 iterator raises `ReaderStalledError`. Closing an iterator early aborts its request within one
 engine step, and its KV blocks return to the pool.
+
+Admission is decided on the event loop, in `attach`, by one `engine.sched.admission.Admission`:
+a refused request raises `QueueFull` at once, without waiting for the engine thread. The loop
+estimates the waiting queues (`num_waiting_by_class`) from the last dispatched step and the
+requests attached since, and feeds the admission's drain meter with the finished deltas it
+dispatches.
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Mapping, Sized
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, QueueFull
 from engine.llm_engine import LLMEngine
 from engine.models.resolve import ModelResolver, local_model_dir
-from engine.request import Request, TokenDelta, merge_deltas
+from engine.request import Request, RequestClass, TokenDelta, merge_deltas
+from engine.sched.admission import Admission
+from engine.stats import ClassCounts, EngineStats, KVStats
 
 
 class ReaderStalledError(RuntimeError):
@@ -76,14 +84,35 @@ class OutputSlot:
 class _StepResult:
     deltas: list[TokenDelta]
     rejected: list[tuple[str, BaseException]]
-    num_waiting: int
+    taken: ClassCounts  # adds this step took from the loop (accepted or rejected)
+    waiting: ClassCounts  # the scheduler's queues after the step
+    running: ClassCounts
     ran: bool  # whether the step computed anything (false: nothing fits yet)
 
 
+def _counts(queues: Mapping[RequestClass, Sized]) -> ClassCounts:
+    return ClassCounts(len(queues[RequestClass.INTERACTIVE]), len(queues[RequestClass.BULK]))
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, stall_timeout_s: float = 30.0):
+    """`admission` defaults to one bounded by the scheduler's `max_waiting`."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        stall_timeout_s: float = 30.0,
+        admission: Admission | None = None,
+    ):
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
+        self.admission = admission or Admission(engine.config.scheduler.max_waiting)
+        # Admission is decided on the loop, where the requests that will find a free seat do
+        # not count as waiting. `Scheduler.add` still refuses past its own `max_waiting`,
+        # counting them (they are added before the step seats them): lift that check by the
+        # seats so it stays a backstop that never refuses what admission let in.
+        sched = engine.scheduler.config
+        engine.scheduler.config = replace(sched, max_waiting=sched.max_waiting + sched.max_num_seqs)
         self._slots: dict[str, OutputSlot] = {}
         # Inputs for the engine thread, guarded by _cond's lock.
         self._cond = threading.Condition()
@@ -93,7 +122,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failure: BaseException | None = None
-        self._num_waiting = 0  # as of the last step; written by _dispatch on the loop
+        # The loop's view of the waiting queues (read and written on the event loop only):
+        # as of the last dispatched step, plus adds attached since that no step took yet.
+        self._waiting = ClassCounts()
+        self._running = ClassCounts()
+        self._untaken = ClassCounts()
         self.num_cancelled = 0
         self.num_stalled = 0
 
@@ -155,7 +188,7 @@ class AsyncEngine:
 
     # -- EngineClient ------------------------------------------------------------------------
 
-    async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: Request) -> AsyncGenerator[TokenDelta, None]:
         """Stream deltas for `request`. Raises InvalidRequest / QueueFull before the first."""
         if self._thread is None:
             await self.start()
@@ -184,9 +217,9 @@ class AsyncEngine:
         rid = request.request_id
         if rid in self._slots:
             raise InvalidRequest("request_id", f"request id {rid!r} is already running")
-        if self._num_waiting + len(self._adds) >= self.engine.config.scheduler.max_waiting:
-            raise QueueFull(retry_after_s=self._retry_after_s())
+        self.admission.check(request.request_class, self.num_waiting_by_class)
         self._slots[rid] = slot
+        self._untaken = self._untaken.plus(request.request_class, 1)
         self._submit(add=request)
 
     def detach(self, request_id: str, *, abort: bool) -> None:
@@ -199,11 +232,47 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._submit(abort=request_id)
 
-    def stats(self) -> dict[str, Any]:
-        stats = self.engine.stats()
-        stats["num_cancelled"] = self.num_cancelled
-        stats["num_reader_stalls"] = self.num_stalled
-        return stats
+    @property
+    def num_waiting_by_class(self) -> ClassCounts:
+        """Waiting requests per class as admission sees them: those waiting after the last
+        dispatched step, plus the requests attached since that the engine has not taken yet,
+        less the seats (`max_num_seqs`) those will find free, interactive first. Seats count
+        as free only while nothing waits (else something other than seats holds the queue).
+        An estimate: the scheduler's queue may end up longer by at most the free seats (a
+        step that cannot seat everyone, e.g. KV full) or the preemptions since that step."""
+        waiting, untaken = self._waiting, self._untaken
+        free = 0
+        if waiting.total == 0:
+            free = max(0, self.engine.config.scheduler.max_num_seqs - self._running.total)
+        seated_interactive = min(free, untaken.interactive)
+        seated_bulk = min(free - seated_interactive, untaken.bulk)
+        return ClassCounts(
+            waiting.interactive + untaken.interactive - seated_interactive,
+            waiting.bulk + untaken.bulk - seated_bulk,
+        )
+
+    def stats(self) -> EngineStats:
+        sched = self.engine.scheduler.stats()
+        counters = self.engine.counters
+        return EngineStats(
+            model=self.engine.model_name,
+            running=ClassCounts.from_mapping(sched.running),
+            waiting=ClassCounts.from_mapping(sched.waiting),
+            kv=KVStats(
+                num_blocks=sched.kv.num_blocks,
+                num_free_blocks=sched.kv.num_free,
+                usage=sched.kv.usage,
+                prefix_cache_queries=sched.kv.prefix_queries,
+                prefix_cache_hits=sched.kv.prefix_hits,
+            ),
+            admission=self.admission.stats(),
+            num_preemptions=sched.num_preemptions,
+            num_aborted=counters.aborted,
+            num_steps=counters.steps,
+            generation_tokens=counters.generated_tokens,
+            num_cancelled=self.num_cancelled,
+            num_reader_stalls=self.num_stalled,
+        )
 
     # -- the engine thread -------------------------------------------------------------------
 
@@ -215,15 +284,11 @@ class AsyncEngine:
                 self._aborts.append(abort)
             self._cond.notify()
 
-    def _retry_after_s(self) -> float:
-        """A rough wait for a waiting slot: one second per max_num_seqs queued requests."""
-        cfg = self.engine.config.scheduler
-        return max(1.0, cfg.max_waiting / max(1, cfg.max_num_seqs))
-
     def _thread_main(self) -> None:
         loop = self._loop
         assert loop is not None
         idle_steps = 0
+        posted = (ClassCounts(), ClassCounts())  # the queue sizes last posted to the loop
         try:
             while True:
                 with self._cond:
@@ -236,7 +301,9 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 result = self._step(adds, aborts)
-                if result.deltas or result.rejected or result.num_waiting != self._num_waiting:
+                queues = (result.waiting, result.running)
+                if result.deltas or result.rejected or adds or queues != posted:
+                    posted = queues
                     loop.call_soon_threadsafe(self._dispatch, result)
                 # Work is queued but nothing fits yet (all blocks held): back off, don't spin.
                 idle_steps = 0 if result.ran else idle_steps + 1
@@ -253,15 +320,24 @@ class AsyncEngine:
         rejected: list[tuple[str, BaseException]] = []
         for rid in aborts:
             self.engine.abort(rid)
+        taken = ClassCounts()
         for request in adds:
+            taken = taken.plus(request.request_class, 1)
             try:
                 self.engine.add_request(request)
             except (InvalidRequest, QueueFull) as exc:
                 rejected.append((request.request_id, exc))
         steps = self.engine.counters.steps
         deltas = self.engine.step()
-        waiting = self.engine.scheduler.num_waiting
-        return _StepResult(deltas, rejected, waiting, self.engine.counters.steps != steps)
+        sched = self.engine.scheduler
+        return _StepResult(
+            deltas,
+            rejected,
+            taken,
+            waiting=_counts(sched.waiting),
+            running=_counts(sched.running),
+            ran=self.engine.counters.steps != steps,
+        )
 
     # -- on the event loop -------------------------------------------------------------------
 
@@ -271,16 +347,25 @@ class AsyncEngine:
 
     def _dispatch(self, result: _StepResult) -> None:
         now = time.monotonic()
-        self._num_waiting = result.num_waiting
+        self._waiting = result.waiting
+        self._running = result.running
+        taken = result.taken
+        self._untaken = ClassCounts(
+            self._untaken.interactive - taken.interactive, self._untaken.bulk - taken.bulk
+        )
         for rid, exc in result.rejected:
             if (slot := self._slots.get(rid)) is not None:
                 slot.fail(exc)
+        finished = 0
         for delta in result.deltas:
+            finished += delta.finished
             slot = self._slots.get(delta.request_id)
             if slot is not None:
                 slot.put(delta, now)
             elif not delta.finished:  # reader already gone: make sure the request dies
                 self._submit(abort=delta.request_id)
+        if finished:
+            self.admission.record_finished(finished)
         self._cut_stalled_readers(now)
 
     def _cut_stalled_readers(self, now: float) -> None:

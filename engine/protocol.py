@@ -7,9 +7,10 @@ replica handle in an object with the same shape. `app/` depends only on this pro
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from engine.request import Request, TokenDelta
+from engine.stats import EngineStats
 
 
 class EngineClient(Protocol):
@@ -19,4 +20,6 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats:
+        """The engine's stats now (summed over replicas where the client fronts several)."""
+        ...

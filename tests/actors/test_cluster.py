@@ -14,22 +14,37 @@ from actors.cluster import (
     ReplicaView,
 )
 from app.metrics import Metrics
-from engine.errors import Unavailable
-from engine.request import Request
+from engine.errors import QueueFull, Unavailable
+from engine.request import Request, RequestClass
+from engine.stats import AdmissionStats, ClassCounts, EngineStats, KVStats
 
 
-def make_report(
-    rid: str, *, waiting: int = 0, running: int = 1, usage: float = 0.25, healthy: bool = True
-) -> ReplicaReport:
-    stats = {
-        "num_requests_running": {"interactive": running, "bulk": 0},
-        "num_requests_waiting": {"interactive": waiting, "bulk": 0},
-        "kv_cache_usage_perc": usage,
-        "kv_num_free_blocks": 30,
-        "prefix_cache_queries": 100,
-        "prefix_cache_hits": 40,
-    }
-    return ReplicaReport(replica_id=rid, model="demo", stats=stats, healthy=healthy)
+def make_stats(
+    *,
+    waiting: ClassCounts = ClassCounts(),
+    running: int = 1,
+    usage: float = 0.25,
+    max_waiting: int = 8,
+    reserve: int = 2,
+    drain_rate: float | None = None,
+) -> EngineStats:
+    return EngineStats(
+        model="demo",
+        running=ClassCounts(interactive=running),
+        waiting=waiting,
+        kv=KVStats(
+            num_blocks=64,
+            num_free_blocks=30,
+            usage=usage,
+            prefix_cache_queries=100,
+            prefix_cache_hits=40,
+        ),
+        admission=AdmissionStats(max_waiting, reserve, drain_rate),
+    )
+
+
+def make_report(rid: str, *, healthy: bool = True, **stats) -> ReplicaReport:
+    return ReplicaReport(replica_id=rid, model="demo", stats=make_stats(**stats), healthy=healthy)
 
 
 def http_snapshot(ttft_s: float) -> dict:
@@ -57,13 +72,13 @@ def series(snapshot: dict, name: str) -> dict[tuple, float]:
 
 def test_view_lists_live_replicas_and_expires_silent_ones():
     state = ClusterState(ttl_s=3.0)
-    state.report_replica(make_report("a", waiting=2, running=3), now=100.0)
+    a = make_report("a", waiting=ClassCounts(interactive=2), running=3)
+    state.report_replica(a, now=100.0)
     state.report_replica(make_report("b"), now=101.5)
     view = state.view(now=102.0)
     by_id = {r.replica_id: r for r in view.replicas}
-    assert by_id["a"] == ReplicaView(
-        "a", "demo", 0.25, 30, 3, 2, {"interactive": 2, "bulk": 0}, age_s=2.0
-    )
+    assert by_id["a"] == ReplicaView("a", "demo", a.stats, age_s=2.0)
+    assert (by_id["a"].running, by_id["a"].waiting, by_id["a"].kv_free_blocks) == (3, 2, 30)
     assert state.view(now=103.5).for_model("demo")[0].replica_id == "b"  # a: 3.5 s silent
     assert state.view(now=105.0).replicas == ()
     assert state.view(now=105.0).for_model("other") == ()
@@ -109,31 +124,68 @@ def view_of(*reports: ReplicaReport) -> ClusterSnapshot:
 
 
 REQUEST = Request("r", [1, 2, 3])
+BULK = Request("b", [1, 2, 3], request_class=RequestClass.BULK)
 
 
-def test_cache_refuses_only_when_fresh_and_never_for_full_queues():
+def test_cache_refuses_only_when_fresh():
     cache = make_cache()
     cache.update(view_of(make_report("a")), now=10.0)
     cache.update(view_of(), now=11.0)
     with pytest.raises(Unavailable):
         cache.admit(REQUEST, now=11.5)
     cache.admit(REQUEST, now=13.5)  # stale: admits, Serve and the engine decide
-    cache.update(view_of(make_report("a", waiting=99)), now=20.0)
-    cache.admit(REQUEST, now=20.1)  # a full queue is the engine's call (429), not the cache's
+    cache.update(view_of(make_report("a", waiting=ClassCounts(interactive=8))), now=20.0)
+    with pytest.raises(QueueFull):
+        cache.admit(REQUEST, now=20.1)
+    cache.admit(REQUEST, now=22.5)  # the same full view gone stale: the engine decides
+
+
+def test_cache_refuses_bulk_at_its_share_and_interactive_only_when_every_queue_is_full():
+    cache = make_cache()
+    bulk_full = ClassCounts(bulk=6)  # 8 places, 2 kept for interactive
+    cache.update(
+        view_of(
+            make_report("a", waiting=bulk_full, drain_rate=2.0),
+            make_report("b", waiting=bulk_full + ClassCounts(interactive=1), drain_rate=0.5),
+        ),
+        now=1.0,
+    )
+    with pytest.raises(QueueFull) as refused:
+        cache.admit(BULK, now=1.0)
+    assert refused.value.retry_after_s == pytest.approx(6 / 2.0)  # the soonest to drain: a
+    cache.admit(REQUEST, now=1.0)  # interactive room remains on both
+    cache.update(
+        view_of(
+            make_report("a", waiting=ClassCounts(interactive=2, bulk=6), drain_rate=2.0),
+            make_report("b", waiting=ClassCounts(interactive=1, bulk=4)),
+        ),
+        now=2.0,
+    )
+    cache.admit(REQUEST, now=2.0)  # b still has room
+    cache.admit(BULK, now=2.0)  # b: 5 waiting < 8 - 2
+    cache.update(
+        view_of(make_report("a", waiting=ClassCounts(interactive=8), drain_rate=2.0)), now=3.0
+    )
+    with pytest.raises(QueueFull) as refused:
+        cache.admit(REQUEST, now=3.0)
+    assert refused.value.retry_after_s == pytest.approx(8 / 2.0)  # 8 interactive ahead
+    assert cache.retry_after_s(RequestClass.INTERACTIVE) == refused.value.retry_after_s
+    cache.update(view_of(), now=4.0)
+    assert cache.retry_after_s(RequestClass.BULK) == 1.0  # nothing known: the floor
 
 
 def test_cache_answers_unavailable_once_replicas_were_seen_and_are_gone():
     cache = make_cache()
     cache.update(view_of(), now=1.0)
     cache.admit(REQUEST, now=1.0)  # nothing seen yet (startup): no 503
-    cache.update(view_of(make_report("a")), now=2.0)
-    assert cache.stats()["num_replicas"] == 1
+    cache.update(view_of(make_report("a"), make_report("b", usage=0.75)), now=2.0)
+    assert len(cache.replicas()) == 2
+    total = cache.stats()
+    assert (total.running.total, total.kv.num_free_blocks, total.kv.num_blocks) == (2, 60, 128)
+    assert total.kv.usage == pytest.approx(0.5)  # block-weighted
+    assert total.kv.prefix_cache_hits == 80
     cache.update(view_of(), now=3.0)
     with pytest.raises(Unavailable):
         cache.admit(REQUEST, now=3.0)
-    assert cache.stats() == {
-        "num_replicas": 0,
-        "num_requests_running": 0,
-        "num_requests_waiting": 0,
-        "kv_num_free_blocks": 0,
-    }
+    empty = cache.stats()
+    assert (empty.running.total, empty.waiting.total, empty.kv.num_free_blocks) == (0, 0, 0)

@@ -13,7 +13,10 @@ from actors.cluster import ReplicaReport
 from actors.messages import ErrorKind, ReplicaError, ReplicaInfo
 from actors.model_replica import ModelReplica
 from engine.request import Request, SamplingParams
+from engine.sched.admission import Admission
+from engine.stats import EngineStats
 from tests.actors.helpers import require_demo_model, small_config
+from tests.engine.step_gate import FakeClock
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +68,8 @@ async def test_a_started_replica_is_warm_and_streams_every_token():
     replica = await make_replica()
     try:
         stats = await replica.stats()
-        assert stats["num_steps"] >= 1  # the warm-up request ran before __init__ returned
-        assert stats["rss_bytes"] > 0
+        assert stats.engine.num_steps >= 1  # the warm-up request ran before __init__ returned
+        assert stats.rss_bytes > 0 and stats.replica_id == replica.replica_id
         info = await replica.info()
         assert isinstance(info, ReplicaInfo) and info.model == "demo"
         assert info.max_model_len == replica.engine.max_model_len
@@ -87,6 +90,14 @@ async def test_refusals_come_back_as_one_typed_item():
         assert len(items) == 1 and isinstance(items[0], ReplicaError)
         assert (items[0].kind, items[0].param) == (ErrorKind.INVALID, "prompt")
 
+        # A drain rate of 0.5 per second (finishes at t = 0, 2, 4 on the admission's clock).
+        clock = FakeClock()
+        replica.engine.admission = Admission(4, clock=clock)
+        for _ in range(3):
+            replica.engine.admission.record_finished()
+            clock.advance(2.0)
+        clock.advance(-2.0)
+
         # 4 running + 4 waiting fill this replica; the rest are refused with 429 semantics.
         prompt = await prompt_ids(replica)
         streams = [replica.generate(request(f"f{i}", prompt, max_tokens=64)) for i in range(12)]
@@ -94,6 +105,9 @@ async def test_refusals_come_back_as_one_typed_item():
         refused = [f for f in firsts if isinstance(f, ReplicaError)]
         assert refused and all(f.kind is ErrorKind.QUEUE_FULL for f in refused)
         assert len(refused) <= 12 - 4
+        # The Retry-After crossing the hop is the engine's decision: 4 ahead at 0.5 per second.
+        assert {f.retry_after_s for f in refused} == {8.0}
+        assert refused[0].exception().retry_after_s == 8.0  # what the ingress re-raises
         for s in streams:
             await s.aclose()
     finally:
@@ -107,18 +121,20 @@ async def test_cancellation_aborts_the_request_and_frees_its_blocks():
         stream = replica.generate(request("c", await prompt_ids(replica), max_tokens=200))
         await anext(stream)
         await anext(stream)
-        assert (await replica.stats())["kv_num_free_blocks"] < baseline["kv_num_free_blocks"]
+        assert (
+            await replica.stats()
+        ).engine.kv.num_free_blocks < baseline.engine.kv.num_free_blocks
         # What Serve does when the client disconnects: CancelledError at the suspended yield.
         with pytest.raises(asyncio.CancelledError):
             await stream.athrow(asyncio.CancelledError())
         for _ in range(100):  # the abort lands within one engine step
             stats = await replica.stats()
-            if stats["kv_num_free_blocks"] == baseline["kv_num_free_blocks"]:
+            if stats.engine.kv.num_free_blocks == baseline.engine.kv.num_free_blocks:
                 break
             await asyncio.sleep(0.01)
-        assert stats["kv_num_free_blocks"] == baseline["kv_num_free_blocks"]
-        assert stats["num_cancelled"] == baseline["num_cancelled"] + 1
-        assert sum(stats["num_requests_running"].values()) == 0
+        assert stats.engine.kv.num_free_blocks == baseline.engine.kv.num_free_blocks
+        assert stats.engine.num_cancelled == baseline.engine.num_cancelled + 1
+        assert stats.engine.running.total == 0
     finally:
         await replica.__del__()
 
@@ -132,13 +148,13 @@ async def test_stats_are_pushed_and_health_fails_once_the_engine_loop_is_gone():
         await asyncio.sleep(0.02)
     report = control_plane.reports[-1]
     assert (report.replica_id, report.model, report.healthy) == (replica.replica_id, "demo", True)
-    assert "kv_cache_usage_perc" in report.stats
+    assert isinstance(report.stats, EngineStats) and report.stats.model == "demo"
     routing = await replica.record_routing_stats()
-    assert set(routing) == {
-        "kv_cache_usage_perc",
-        "kv_num_free_blocks",
-        "num_requests_running",
-        "num_requests_waiting",
+    assert routing == {
+        "kv_cache_usage_perc": report.stats.kv.usage,
+        "kv_num_free_blocks": report.stats.kv.num_free_blocks,
+        "num_requests_running": 0,
+        "num_requests_waiting": 0,
     }
 
     def broken_step() -> list:

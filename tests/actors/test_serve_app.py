@@ -18,6 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.messages import ReplicaStats
 from tests.actors.helpers import serve_app, small_config
 from tests.app.helpers import parse_sse
 
@@ -57,7 +58,7 @@ def replica_handle() -> Any:
     return serve.get_deployment_handle("ModelReplica", app_name="firstlight")
 
 
-async def replica_stats() -> dict[str, Any]:
+async def replica_stats() -> ReplicaStats:
     return await replica_handle().stats.remote()
 
 
@@ -237,14 +238,14 @@ async def test_a_flood_gets_429_and_the_replica_keeps_serving(base_url):
             assert r.json()["error"]["type"] == "rate_limit_error"
         after = await client.post("/v1/chat/completions", json=chat())
         assert after.status_code == 200
-    assert (await replica_stats())["replica_id"] == before["replica_id"]  # no restart
+    assert (await replica_stats()).replica_id == before.replica_id  # no restart
 
 
 async def test_client_closing_mid_stream_aborts_and_frees_kv(base_url):
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
         baseline = await scrape(client)
         kv_baseline = total(baseline, "firstlight_kv_cache_usage_perc")
-        free_before = (await replica_stats())["kv_num_free_blocks"]
+        free_before = (await replica_stats()).engine.kv.num_free_blocks
         async with client.stream(
             "POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=400, ignore_eos=True)
         ) as r:
@@ -268,8 +269,8 @@ async def test_client_closing_mid_stream_aborts_and_frees_kv(base_url):
 
         assert await eventually(settled, timeout=10.0), "KV usage or cancel count did not settle"
         stats = await replica_stats()
-        assert stats["kv_num_free_blocks"] == free_before
-        assert sum(stats["num_requests_running"].values()) == 0
+        assert stats.engine.kv.num_free_blocks == free_before
+        assert stats.engine.running.total == 0
 
 
 async def test_a_slow_reader_does_not_hold_the_replica(base_url):
@@ -279,7 +280,7 @@ async def test_a_slow_reader_does_not_hold_the_replica(base_url):
     finishes at full speed, the replica's memory stays flat and other clients are served.
     The answer (a few hundred tokens) fits in the proxy's and the sockets' buffers, so the
     reader, once awake, gets it whole."""
-    rss_before = (await replica_stats())["rss_bytes"]
+    rss_before = (await replica_stats()).rss_bytes
     body = chat(stream=True, max_tokens=300, ignore_eos=True)
     async with (
         httpx.AsyncClient(base_url=base_url, timeout=60) as client,
@@ -292,11 +293,11 @@ async def test_a_slow_reader_does_not_hold_the_replica(base_url):
         assert quick.status_code == 200 and time.monotonic() - started < 5.0
 
         async def generation_done() -> bool:
-            return sum((await replica_stats())["num_requests_running"].values()) == 0
+            return (await replica_stats()).engine.running.total == 0
 
         assert await eventually(generation_done, timeout=30.0)
         await asyncio.sleep(max(0.0, STALL_S * 1.5 - (time.monotonic() - started)))
-        assert (await replica_stats())["rss_bytes"] - rss_before < 64 << 20
+        assert (await replica_stats()).rss_bytes - rss_before < 64 << 20
         rest = b"".join([c async for c in chunks])
     events = parse_sse(first + rest)
     assert not any("error" in e for e in events)
@@ -311,7 +312,7 @@ async def test_a_stalled_reader_is_cut_and_its_requests_aborted(base_url):
     messages; when the oldest has waited past the stall limit the ingress cuts the stream and
     every choice is aborted in the replica long before its max_tokens."""
     stats = await replica_stats()
-    cancelled_before, generated_before = stats["num_cancelled"], stats["generation_tokens"]
+    cancelled_before, generated_before = stats.engine.num_cancelled, stats.engine.generation_tokens
     async with httpx.AsyncClient(base_url=base_url) as client:
         metrics_before = total(await scrape(client), "firstlight_request_cancelled_total")
     body = chat(stream=True, n=4, max_tokens=1900, ignore_eos=True, logprobs=True, top_logprobs=20)
@@ -333,11 +334,11 @@ async def test_a_stalled_reader_is_cut_and_its_requests_aborted(base_url):
 
         async def all_aborted() -> bool:
             stats = await replica_stats()
-            running = sum(stats["num_requests_running"].values())
-            return running == 0 and stats["num_cancelled"] - cancelled_before >= 4
+            running = stats.engine.running.total
+            return running == 0 and stats.engine.num_cancelled - cancelled_before >= 4
 
         assert await eventually(all_aborted, timeout=60.0, every=0.25)
-        generated = (await replica_stats())["generation_tokens"] - generated_before
+        generated = (await replica_stats()).engine.generation_tokens - generated_before
         assert generated < 4 * 1900  # cut (~5,300 here), not finished
         async with httpx.AsyncClient(base_url=base_url) as client:
             metrics = await scrape(client)
@@ -351,7 +352,7 @@ async def test_one_scrape_covers_replicas_and_ingress(base_url):
         response = await client.get("/metrics")
         assert response.status_code == 200
         metrics = await scrape(client)
-    replica_id = (await replica_stats())["replica_id"]
+    replica_id = (await replica_stats()).replica_id
     kv = metrics["firstlight_kv_cache_usage_perc"]
     assert any(dict(labels).get("replica") == replica_id for labels in kv)
     assert total(metrics, "firstlight_time_to_first_token_seconds_count") >= 5
@@ -364,7 +365,7 @@ async def test_one_scrape_covers_replicas_and_ingress(base_url):
 async def test_a_dead_replica_errors_the_stream_then_503_then_recovers(base_url):
     import ray
 
-    old_id = (await replica_stats())["replica_id"]
+    old_id = (await replica_stats()).replica_id
     actor = next(
         a for a in ray.util.list_named_actors(all_namespaces=True) if "ModelReplica" in a["name"]
     )
@@ -406,4 +407,4 @@ async def test_a_dead_replica_errors_the_stream_then_503_then_recovers(base_url)
             and p.result().status_code == 503
         )
         assert unavailable.json()["error"]["code"] == "engine_unavailable"
-    assert (await replica_stats())["replica_id"] != old_id
+    assert (await replica_stats()).replica_id != old_id

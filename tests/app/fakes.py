@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.errors import QueueFull, Unavailable
 from engine.request import FinishReason, Request, Timings, TokenDelta, TokenLogprob
+from engine.stats import AdmissionStats, ClassCounts, EngineStats, KVStats
 
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
@@ -130,17 +131,22 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "model": "fake",
-            "num_requests_running": {"interactive": 1, "bulk": 0},
-            "num_requests_waiting": {"interactive": 0, "bulk": 2},
-            "kv_cache_usage_perc": 0.25,
-            "prefix_cache_queries": 100,
-            "prefix_cache_hits": 40,
-            "num_preemptions": 3,
-            "generation_tokens": 999,  # not a recognized engine metric: must be skipped
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            model="fake",
+            running=ClassCounts(interactive=1, bulk=0),
+            waiting=ClassCounts(interactive=0, bulk=2),
+            kv=KVStats(
+                num_blocks=64,
+                num_free_blocks=48,
+                usage=0.25,
+                prefix_cache_queries=100,
+                prefix_cache_hits=40,
+            ),
+            admission=AdmissionStats(max_waiting=8, interactive_reserve=2, drain_rate_per_s=None),
+            num_preemptions=3,
+            generation_tokens=999,  # an engine counter with no metric family: never rendered
+        )
 
 
 def completion_tokens(script: Script) -> int:

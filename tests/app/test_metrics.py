@@ -3,10 +3,12 @@ and `/metrics` after real requests."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from app.metric_snapshot import engine_snapshot, merge_snapshots, render_snapshot
 from app.metrics import LATENCY_BUCKETS, BoundedValues, Metrics
+from engine.stats import EngineStats
 from tests.app.fakes import FakeEngine, Script
 from tests.app.helpers import chat_body, make_app, make_client
 
@@ -107,15 +109,39 @@ def test_engine_stats_are_read_at_scrape_time():
     assert sample(text, "firstlight_kv_cache_usage_perc", model="demo") == 0.25
     assert sample(text, "firstlight_prefix_cache_hits_total") == 40
     assert sample(text, "firstlight_num_preemptions_total") == 3
-    assert "999" not in text  # unrecognized engine keys are skipped, not invented
+    assert sample(text, "firstlight_kv_num_free_blocks") == 48
+    assert "999" not in text  # an engine counter without a family is not rendered
+    assert "spec_decode" not in text  # no family for what nothing produces
+
+    def with_usage(usage: float) -> EngineStats:
+        return dataclasses.replace(
+            engine.stats(), kv=dataclasses.replace(engine.stats().kv, usage=usage)
+        )
 
     replicas = merge_snapshots(
-        engine_snapshot({"kv_cache_usage_perc": 0.5}, {"model": "demo", "replica": "r1"}),
-        engine_snapshot({"kv_cache_usage_perc": 0.1}, {"model": "demo", "replica": "r2"}),
+        engine_snapshot(with_usage(0.5), {"model": "demo", "replica": "r1"}),
+        engine_snapshot(with_usage(0.1), {"model": "demo", "replica": "r2"}),
     )
     text = render_snapshot(replicas).decode()
     assert sample(text, "firstlight_kv_cache_usage_perc", replica="r1") == 0.5
     assert sample(text, "firstlight_kv_cache_usage_perc", replica="r2") == 0.1
+
+
+def test_engine_families_keep_their_names_types_and_labels():
+    snapshot = engine_snapshot(FakeEngine().stats(), {"model": "demo"})
+    by_class, plain = ["model", "class"], ["model"]
+    assert {name: (f["type"], f["labels"]) for name, f in snapshot.items()} == {
+        "firstlight_num_requests_running": ("gauge", by_class),
+        "firstlight_num_requests_waiting": ("gauge", by_class),
+        "firstlight_kv_cache_usage_perc": ("gauge", plain),
+        "firstlight_kv_num_blocks": ("gauge", plain),
+        "firstlight_kv_num_free_blocks": ("gauge", plain),
+        "firstlight_prefix_cache_queries": ("counter", plain),
+        "firstlight_prefix_cache_hits": ("counter", plain),
+        "firstlight_num_preemptions": ("counter", plain),
+        "firstlight_num_aborted": ("counter", plain),
+        "firstlight_num_reader_stalls": ("counter", plain),
+    }
 
 
 def test_a_failing_stats_source_does_not_break_the_scrape():

@@ -1,0 +1,122 @@
+"""Typed engine stats: what the engine reports to the replica, the control plane and `/metrics`.
+
+Plain frozen dataclasses (picklable, cheap to ship every ~0.5 s): a renamed field fails a type
+check or a test instead of silently reading 0 the way a string-keyed dict did.
+
+Speculative decoding stats (drafts, accepted tokens per position) are not declared: nothing
+produces them yet. They get a dataclass here (and metric families in
+`app/metric_snapshot.py`) together with the proposer that counts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from engine.request import RequestClass
+
+
+@dataclass(slots=True, frozen=True)
+class ClassCounts:
+    """One number per request class."""
+
+    interactive: int = 0
+    bulk: int = 0
+
+    @classmethod
+    def from_mapping(cls, counts: Mapping[str, int]) -> ClassCounts:
+        """From a {class value: count} map (e.g. `SchedulerStats.running`); absent reads 0."""
+        return cls(
+            interactive=int(counts.get(RequestClass.INTERACTIVE.value, 0)),
+            bulk=int(counts.get(RequestClass.BULK.value, 0)),
+        )
+
+    def of(self, request_class: RequestClass) -> int:
+        return self.interactive if request_class is RequestClass.INTERACTIVE else self.bulk
+
+    def plus(self, request_class: RequestClass, n: int) -> ClassCounts:
+        if request_class is RequestClass.INTERACTIVE:
+            return ClassCounts(self.interactive + n, self.bulk)
+        return ClassCounts(self.interactive, self.bulk + n)
+
+    def __add__(self, other: ClassCounts) -> ClassCounts:
+        return ClassCounts(self.interactive + other.interactive, self.bulk + other.bulk)
+
+    @property
+    def total(self) -> int:
+        return self.interactive + self.bulk
+
+    def items(self) -> Iterator[tuple[str, int]]:
+        """(class value, count) pairs, interactive first: the `class` label of a metric."""
+        yield RequestClass.INTERACTIVE.value, self.interactive
+        yield RequestClass.BULK.value, self.bulk
+
+
+@dataclass(slots=True, frozen=True)
+class KVStats:
+    """The paged KV pool. `usage` is the fraction of blocks referenced (1 = full)."""
+
+    num_blocks: int
+    num_free_blocks: int  # unreferenced blocks, evictable cached ones included
+    usage: float
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int  # of those, tokens found cached
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionStats:
+    """An engine's admission bounds and measured drain rate: enough for another process (the
+    ingress, from the cluster view) to apply the same rule as `engine.sched.admission`."""
+
+    max_waiting: int
+    interactive_reserve: int
+    drain_rate_per_s: float | None  # finishes per second over the recent window; None: unknown
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """One engine at one moment. Counters (`num_*` past events, `generation_tokens`) are
+    cumulative since the engine started; the rest are gauges."""
+
+    model: str
+    running: ClassCounts
+    waiting: ClassCounts
+    kv: KVStats
+    admission: AdmissionStats
+    num_preemptions: int = 0
+    num_aborted: int = 0  # aborted in the engine (client left, deadline, stalled reader)
+    num_steps: int = 0
+    generation_tokens: int = 0
+    num_cancelled: int = 0  # readers that left before the end
+    num_reader_stalls: int = 0  # streams cut because their reader stalled
+
+
+def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
+    """Several engines (replicas of one model) as one: counts, blocks, bounds and drain rates
+    add up; KV usage is the block-weighted mean. No parts: an empty engine of zero size."""
+    parts = list(parts)
+    blocks = sum(p.kv.num_blocks for p in parts)
+    rates = [p.admission.drain_rate_per_s for p in parts if p.admission.drain_rate_per_s]
+    return EngineStats(
+        model=model,
+        running=sum((p.running for p in parts), ClassCounts()),
+        waiting=sum((p.waiting for p in parts), ClassCounts()),
+        kv=KVStats(
+            num_blocks=blocks,
+            num_free_blocks=sum(p.kv.num_free_blocks for p in parts),
+            usage=sum(p.kv.usage * p.kv.num_blocks for p in parts) / blocks if blocks else 0.0,
+            prefix_cache_queries=sum(p.kv.prefix_cache_queries for p in parts),
+            prefix_cache_hits=sum(p.kv.prefix_cache_hits for p in parts),
+        ),
+        admission=AdmissionStats(
+            max_waiting=sum(p.admission.max_waiting for p in parts),
+            interactive_reserve=sum(p.admission.interactive_reserve for p in parts),
+            drain_rate_per_s=sum(rates) if rates else None,
+        ),
+        num_preemptions=sum(p.num_preemptions for p in parts),
+        num_aborted=sum(p.num_aborted for p in parts),
+        num_steps=sum(p.num_steps for p in parts),
+        generation_tokens=sum(p.generation_tokens for p in parts),
+        num_cancelled=sum(p.num_cancelled for p in parts),
+        num_reader_stalls=sum(p.num_reader_stalls for p in parts),
+    )
