@@ -69,6 +69,7 @@ class Ingress:
             owner_id=self.ingress_id,
             admit=self.cache.admit,
             stats=self.cache.stats,
+            retry_after=self.cache.retry_after_s,
         )
         async with asyncio.timeout(config.ingress.info_timeout_s):
             info: ReplicaInfo = await replicas.info.remote()
@@ -78,7 +79,8 @@ class Ingress:
             max_model_len=info.max_model_len,
             client=self.client,
             root=config.engine.model,
-            max_requests=config.replica_max_ongoing_requests,  # what one replica can hold
+            # what one replica's engine can ever hold: seats + waiting places
+            max_requests=config.engine.scheduler.max_num_seqs + config.engine.scheduler.max_waiting,
         )
         self._sync_task = asyncio.create_task(self._sync_loop(), name="ingress-sync")
         await self._wait_for_first_view(timeout_s=max(5.0, 10 * interval))

@@ -54,7 +54,6 @@ class ModelReplica:
         self.engine = await asyncio.to_thread(
             AsyncEngine.from_config,
             config.engine,
-            stall_timeout_s=config.engine.stall_timeout_s,
             resolve_model=resolve_model,
         )
         await self.engine.warmup()

@@ -50,7 +50,8 @@ from actors.serve_internals import own_serve_request_id
 from actors.settings import IngressSettings
 from actors.token_channel import ChannelServer, TokenInbox
 from engine.errors import QueueFull, Unavailable
-from engine.request import Request, TokenDelta
+from engine.request import Request, RequestClass, TokenDelta
+from engine.stats import EngineStats, sum_engine_stats
 
 _UNAVAILABLE = (
     ActorDiedError,
@@ -67,7 +68,8 @@ class ReplicaClient:
         *,
         channel: ChannelServer | None = None,
         admit: Callable[[Request], None] | None = None,
-        stats: Callable[[], dict[str, Any]] | None = None,
+        stats: Callable[[], EngineStats] | None = None,
+        retry_after: Callable[[RequestClass], float] | None = None,
         transport: dict[str, Any] | None = None,
         final_delta_grace_s: float = 10.0,
     ) -> None:
@@ -76,6 +78,7 @@ class ReplicaClient:
         self._channel = channel
         self._admit = admit
         self._stats = stats
+        self._retry_after = retry_after
         self._grace_s = final_delta_grace_s
         self._inflight: dict[str, Any] = {}  # request id → the Serve call's response
         self._owned_channel: ChannelServer | None = None  # started by `connect`
@@ -88,7 +91,8 @@ class ReplicaClient:
         *,
         owner_id: str | None = None,
         admit: Callable[[Request], None] | None = None,
-        stats: Callable[[], dict[str, Any]] | None = None,
+        stats: Callable[[], EngineStats] | None = None,
+        retry_after: Callable[[RequestClass], float] | None = None,
     ) -> ReplicaClient:
         """A client of `handle` (a ModelReplica deployment) for the calling process, built from
         `settings` (`token_path`, `channel_tcp_host`, `transport`). With the channel token
@@ -108,6 +112,7 @@ class ReplicaClient:
             channel=channel,
             admit=admit,
             stats=stats,
+            retry_after=retry_after,
             transport=settings.handle_options(),
         )
         client._owned_channel = channel
@@ -140,7 +145,7 @@ class ReplicaClient:
         with own_serve_request_id():
             response = self._unary.stream_to.remote(request, channel.address)
         self._inflight[rid] = response
-        call = asyncio.ensure_future(_outcome(response))
+        call = asyncio.ensure_future(_outcome(response, self._backpressure_retry_s(request)))
         call.add_done_callback(functools.partial(self._call_done, inbox, rid))
         finished = False
         try:
@@ -191,7 +196,7 @@ class ReplicaClient:
                     return
             raise RuntimeError(f"replica stream of {rid} ended before its last delta")
         except Exception as exc:
-            raise _translate(exc) from None
+            raise _translate(exc, self._backpressure_retry_s(request)) from None
         finally:
             self._inflight.pop(rid, None)
             if not finished:
@@ -204,23 +209,32 @@ class ReplicaClient:
             with contextlib.suppress(Exception):
                 response.cancel()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Replica stats summed from the ingress's cached cluster view (may be ~1 s old)."""
-        return self._stats() if self._stats is not None else {}
+        return self._stats() if self._stats is not None else sum_engine_stats("", [])
+
+    def _backpressure_retry_s(self, request: Request) -> float | None:
+        """The Retry-After for a refusal by Serve's own queue: the engine's rule, from the
+        cluster view (`retry_after`), so a client sees one rule whichever layer refused."""
+        return None if self._retry_after is None else self._retry_after(request.request_class)
 
 
-async def _outcome(response: Any) -> Any:
+async def _outcome(response: Any, retry_after_s: float | None) -> Any:
     """The result of a unary replica call, with Serve and Ray failures translated."""
     try:
         return await response
     except Exception as exc:
-        raise _translate(exc) from None
+        raise _translate(exc, retry_after_s) from None
 
 
-def _translate(exc: Exception) -> Exception:
-    """Serve / Ray failures of a replica call as the engine's own exceptions."""
+def _translate(exc: Exception, retry_after_s: float | None = None) -> Exception:
+    """Serve / Ray failures of a replica call as the engine's own exceptions. A refusal by
+    Serve's queue (a last resort: replicas take more calls than their engine admits, so the
+    engine refuses first) carries `retry_after_s` when the caller knows the engine's rule."""
     if isinstance(exc, BackPressureError):
-        return QueueFull(str(exc), retry_after_s=exc.retry_after_s or 1.0)
+        return QueueFull(
+            "every model replica is busy", retry_after_s=retry_after_s or exc.retry_after_s or 1.0
+        )
     if isinstance(exc, _UNAVAILABLE):
         return Unavailable(f"model replica unavailable: {exc}")
     if isinstance(exc, RayTaskError):

@@ -47,7 +47,8 @@ class AutoscalingSettings(BaseModel):
 
 class ReplicaSettings(BaseModel):
     """ModelReplica deployment options. Its `max_ongoing_requests` is derived from the engine
-    (`max_num_seqs + max_waiting`), so the engine's own bounded queue is the one that fills."""
+    (`AppConfig.replica_max_ongoing_requests`), so the engine's own admission decides, and
+    Serve's queue (`max_queued_requests`) is a last resort."""
 
     model_config = _SECTION
 
@@ -109,5 +110,9 @@ class AppConfig(Settings):
 
     @property
     def replica_max_ongoing_requests(self) -> int:
+        """Calls one replica takes at once: what its engine can hold (seats + waiting) plus
+        `max_waiting` more, so a request past the engine's bounds reaches the engine and is
+        refused at once by the one admission decision (engine/sched/admission.py) instead of
+        waiting in Serve's queue for a stream to end."""
         scheduler = self.engine.scheduler
-        return scheduler.max_num_seqs + scheduler.max_waiting
+        return scheduler.max_num_seqs + 2 * scheduler.max_waiting

@@ -85,4 +85,6 @@ class _FromDataclass:
 
 
 def _as_dict(cls: type, value: Any) -> Any:
-    return dataclasses.asdict(value) if isinstance(value, cls) else value
+    if isinstance(value, cls) and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value

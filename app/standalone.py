@@ -81,7 +81,6 @@ def build_standalone(settings: Settings) -> FastAPI:
 
     engine = AsyncEngine.from_config(
         settings.engine,
-        stall_timeout_s=settings.engine.stall_timeout_s,
         resolve_model=resolve_model,
     )
     endpoint = ModelEndpoint(

@@ -95,18 +95,25 @@ def _counts(queues: Mapping[RequestClass, Sized]) -> ClassCounts:
 
 
 class AsyncEngine:
-    """`admission` defaults to one bounded by the scheduler's `max_waiting`."""
+    """`stall_timeout_s` defaults to the engine config's; `admission` to one bounded by the
+    scheduler's `max_waiting` and `interactive_reserve`."""
 
     def __init__(
         self,
         engine: LLMEngine,
         *,
-        stall_timeout_s: float = 30.0,
+        stall_timeout_s: float | None = None,
         admission: Admission | None = None,
     ):
         self.engine = engine
-        self.stall_timeout_s = stall_timeout_s
-        self.admission = admission or Admission(engine.config.scheduler.max_waiting)
+        config = engine.config
+        self.stall_timeout_s = (
+            config.stall_timeout_s if stall_timeout_s is None else stall_timeout_s
+        )
+        self.admission = admission or Admission(
+            config.scheduler.max_waiting,
+            interactive_reserve=config.scheduler.interactive_reserve,
+        )
         # Admission is decided on the loop, where the requests that will find a free seat do
         # not count as waiting. `Scheduler.add` still refuses past its own `max_waiting`,
         # counting them (they are added before the step seats them): lift that check by the

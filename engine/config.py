@@ -38,6 +38,9 @@ class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata={"ge": 1})
     max_waiting: int = field(default=512, metadata={"ge": 1})
     bulk_min_share: float = field(default=0.1, metadata={"ge": 0.0, "le": 1.0})
+    # Waiting places only interactive requests may take (None: a quarter of max_waiting):
+    # a flood of bulk never gets an interactive request refused (engine/sched/admission.py).
+    interactive_reserve: int | None = field(default=None, metadata={"ge": 0})
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ def test_shipped_serve_config_is_valid_and_fits_two_cores():
     assert cpus <= 2.0
     # The engine's own bounded queue fills before Serve's replica limit does.
     scheduler = config.engine.scheduler
-    assert config.replica_max_ongoing_requests == scheduler.max_num_seqs + scheduler.max_waiting
+    assert config.replica_max_ongoing_requests == scheduler.max_num_seqs + 2 * scheduler.max_waiting
 
 
 def test_environment_overrides_yaml_args(monkeypatch):
