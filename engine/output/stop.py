@@ -1,4 +1,5 @@
-"""Token-level stop checks, applied once per new token after it is appended to the sequence.
+"""Token-level stop checks: `check_stop` for a token just appended, `find_stop` for a run of
+new tokens (a step that accepted drafts), which truncates the run at the first stop.
 
 Stop *strings* are the detokenizer's business (`engine.output.detokenizer`): they need text.
 
@@ -35,3 +36,24 @@ def check_stop(
     if num_output >= sp.max_tokens or seq.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
+
+
+def find_stop(
+    seq: Sequence, new_token_ids: list[int], eos_token_ids: tuple[int, ...], max_model_len: int
+) -> tuple[int, FinishReason | None]:
+    """Where a run of new tokens (not yet appended to `seq`) ends the request.
+
+    Returns `(n, reason)`: the first `n` tokens are kept and `reason` is why the request
+    finishes with the `n`-th (the checks of `check_stop`, token by token), or
+    `(len(new_token_ids), None)`. Tokens after a stop are dropped: never counted or emitted.
+    """
+    sp = seq.sampling
+    num_output, num_tokens = seq.num_output_tokens, seq.num_tokens
+    for i, token_id in enumerate(new_token_ids, start=1):
+        if num_output + i - 1 >= sp.min_tokens and (
+            (not sp.ignore_eos and token_id in eos_token_ids) or token_id in sp.stop_token_ids
+        ):
+            return i, FinishReason.STOP
+        if num_output + i >= sp.max_tokens or num_tokens + i >= max_model_len:
+            return i, FinishReason.LENGTH
+    return len(new_token_ids), None

@@ -4,9 +4,11 @@ The runner owns the per-layer KV caches (`[num_blocks, block_size, kv_heads, hea
 zero-initialised so unwritten slots are finite) and the model. `execute` packs every chunk's
 tokens end to end, builds positions, slot mapping and block tables from Python lists once,
 runs one forward under `torch.inference_mode()`, and returns float32 logits for the chunks
-that sample, in chunk order. It reads sequences (token ids, block ids) and never mutates
-them or any scheduler state; the scheduler must already have allocated a block for every
-position being computed.
+that sample, in chunk order: one row for the chunk's last real token, then one row per
+draft (`spec_token_ids`, fed after the real tokens), so `k + 1` rows for `k` drafts. It
+reads sequences (token ids, block ids) and never mutates them or any scheduler state; the
+scheduler must already have allocated a block for every position being computed, drafts
+included.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class StepInputs:
     cu_seqlens_q: list[int]
     seq_lens_k: list[int]
     block_tables: list[list[int]]
-    sample_rows: list[int]  # packed row of the last token of each sampling chunk
+    sample_rows: list[int]  # packed rows of each sampling chunk's last real token and drafts
 
 
 class ModelRunner:
@@ -77,7 +79,8 @@ class ModelRunner:
         ]
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """`[num_sampling_chunks, vocab]` float32 logits, in chunk order."""
+        """`[num_sample_rows, vocab]` float32 logits: per sampling chunk in chunk order, its
+        last real token's row followed by one row per draft."""
         if out.is_empty:
             return torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
         return self._run(self.pack(out))
@@ -87,16 +90,19 @@ class ModelRunner:
         step = StepInputs([], [], [], [0], [], [], [])
         for chunk in out.chunks:
             seq, start = chunk.seq, chunk.start
-            end = start + chunk.num_tokens
+            end = start + chunk.num_tokens_with_spec
             blocks = seq.block_ids
-            step.input_ids.extend(seq.token_ids[start:end])
+            step.input_ids.extend(seq.token_ids[start : start + chunk.num_tokens])
+            if chunk.spec_token_ids:
+                step.input_ids.extend(chunk.spec_token_ids)
             step.positions.extend(range(start, end))
             step.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + chunk.num_tokens)
+            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + chunk.num_tokens_with_spec)
             step.seq_lens_k.append(end)
             step.block_tables.append(blocks[: (end + bs - 1) // bs])
             if chunk.samples:
-                step.sample_rows.append(step.cu_seqlens_q[-1] - 1)
+                last = step.cu_seqlens_q[-1] - 1
+                step.sample_rows.extend(range(last - len(chunk.spec_token_ids), last + 1))
         return step
 
     def warmup(self) -> None:
