@@ -222,7 +222,9 @@ class LLMEngine:
         if isinstance(result, str):
             return self._finish_failed(_NewTokens(seq, error=result))
         try:
-            tokens, reason = result.token_ids, None
+            tokens = result.token_ids
+            if not all(0 <= t < self.runner.info.vocab_size for t in tokens):
+                raise ValueError(f"sampled token ids {tokens} outside the vocabulary")
             kept, reason = find_stop(seq, tokens, self.eos_token_ids, self.max_model_len)
             tokens = tokens[:kept]
             text, tokens, stop_hit = self._detokenize(seq, tokens)
