@@ -59,7 +59,7 @@ class _NewTokens:
     logprobs: list[TokenLogprob] | None = None
     reason: FinishReason | None = None
     error: str | None = None
-    num_accepted: int = 0  # drafts among `token_ids` (a prefix)
+    num_accepted: int = 0  # drafts among `token_ids` (a prefix) whose K/V counts as computed
 
 
 class LLMEngine:
@@ -240,7 +240,9 @@ class LLMEngine:
         if seq.timings.first_token is None:
             seq.timings.first_token = time.monotonic()
         logprobs = None if result.logprobs is None else result.logprobs[: len(tokens)]
-        accepted = min(result.num_accepted, len(tokens))
+        # As without drafts, every token but the last counts as computed: a run cut at a stop
+        # may end on a draft whose K/V is valid, but the request finishes anyway.
+        accepted = min(result.num_accepted, len(tokens) - 1)
         return _NewTokens(seq, tokens, text, logprobs, reason, num_accepted=accepted)
 
     def _detokenize(self, seq: Sequence, tokens: list[int]) -> tuple[str, list[int], bool]:
