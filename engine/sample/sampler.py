@@ -206,6 +206,11 @@ class Sampler:
         verification (`engine.sample.rejection`) for sequences with drafts."""
         dev = proc.device
         is_greedy = [r.sampling.temperature < _GREEDY_EPS for r in rows]
+        for row, g in zip(rows, is_greedy, strict=True):
+            if not g and row.sampling.seed is not None:
+                # Every generator exists before any draws: a seed the generator rejects
+                # raises here, before it could advance a neighbour's generator.
+                self._request_generator(row, dev)
         tokens: list[int] = [0] * len(rows)
         greedy = [i for i, g in enumerate(is_greedy) if g]
         rand = [i for i, g in enumerate(is_greedy) if not g]
