@@ -221,17 +221,20 @@ class LLMEngine:
         seq = chunk.seq
         if isinstance(result, str):
             return self._finish_failed(_NewTokens(seq, error=result))
+        tokens = result.token_ids
         try:
-            tokens = result.token_ids
-            if not all(0 <= t < self.runner.info.vocab_size for t in tokens):
-                raise ValueError(f"sampled token ids {tokens} outside the vocabulary")
             kept, reason = find_stop(seq, tokens, self.eos_token_ids, self.max_model_len)
-            tokens = tokens[:kept]
-            text, tokens, stop_hit = self._detokenize(seq, tokens)
+            if kept < len(tokens):
+                tokens = tokens[:kept]
+            detok = self._detok[seq.request_id]
+            if len(tokens) > 1 and seq.sampling.stop:
+                text, tokens, stop_hit = _push_each(detok, tokens)
+            else:
+                text, stop_hit = detok.push(tokens)
             if stop_hit:
                 reason = FinishReason.STOP
             elif reason is not None:
-                text += self._detok[seq.request_id].flush()
+                text += detok.flush()
         except Exception as e:
             logger.exception("request %s failed after sampling", seq.request_id)
             return self._finish_failed(_NewTokens(seq, error=f"{type(e).__name__}: {e}"))
@@ -239,30 +242,21 @@ class LLMEngine:
         self.counters.generated_tokens += len(tokens)
         if seq.timings.first_token is None:
             seq.timings.first_token = time.monotonic()
-        logprobs = None if result.logprobs is None else result.logprobs[: len(tokens)]
+        logprobs = result.logprobs
+        if logprobs is not None and len(logprobs) > len(tokens):
+            logprobs = logprobs[: len(tokens)]
         # As without drafts, every token but the last counts as computed: a run cut at a stop
         # may end on a draft whose K/V is valid, but the request finishes anyway.
         accepted = min(result.num_accepted, len(tokens) - 1)
         return _NewTokens(seq, tokens, text, logprobs, reason, num_accepted=accepted)
 
-    def _detokenize(self, seq: Sequence, tokens: list[int]) -> tuple[str, list[int], bool]:
-        """(new text, tokens kept, stop string hit). Several tokens with stop strings go one
-        at a time, so a stop string ends the run at the token that completed it."""
-        detok = self._detok[seq.request_id]
-        if len(tokens) == 1 or not seq.sampling.stop:
-            text, stop_hit = detok.push(tokens)
-            return text, tokens, stop_hit
-        pieces = []
-        for i, token in enumerate(tokens):
-            piece, stop_hit = detok.push([token])
-            pieces.append(piece)
-            if stop_hit:
-                return "".join(pieces), tokens[: i + 1], True
-        return "".join(pieces), tokens, False
-
     @staticmethod
-    def _num_accepted(chunks: list[ScheduledChunk], news: list[_NewTokens]) -> dict[str, int]:
+    def _num_accepted(
+        chunks: list[ScheduledChunk], news: list[_NewTokens]
+    ) -> dict[str, int] | None:
         """Per chunk with drafts: how many drafts were kept and appended (their K/V is valid)."""
+        if not any(c.spec_token_ids for c in chunks):
+            return None
         return {
             c.seq.request_id: n.num_accepted
             for c, n in zip(chunks, news, strict=True)
@@ -367,3 +361,15 @@ def _draft_probs(chunk: ScheduledChunk) -> torch.Tensor | None:
     """The proposer's distributions for the drafts the scheduler kept (a prefix)."""
     probs = chunk.seq.spec_probs
     return None if probs is None else probs[: len(chunk.spec_token_ids)]
+
+
+def _push_each(detok: IncrementalDetokenizer, tokens: list[int]) -> tuple[str, list[int], bool]:
+    """Detokenize a run one token at a time, so that a stop string ends it at the token that
+    completed it: (new text, tokens kept, stop string hit)."""
+    pieces = []
+    for i, token in enumerate(tokens):
+        piece, stop_hit = detok.push([token])
+        pieces.append(piece)
+        if stop_hit:
+            return "".join(pieces), tokens[: i + 1], True
+    return "".join(pieces), tokens, False

@@ -204,7 +204,7 @@ class Sampler:
     ) -> list[list[int]]:
         """The new tokens of each sequence: argmax or one draw per row without drafts,
         verification (`engine.sample.rejection`) for sequences with drafts."""
-        dev = proc.device
+        dev, vocab = proc.device, proc.shape[1]
         is_greedy = [r.sampling.temperature < _GREEDY_EPS for r in rows]
         for row, g in zip(rows, is_greedy, strict=True):
             if not g and row.sampling.seed is not None:
@@ -226,7 +226,7 @@ class Sampler:
                 x = proc if r_idx is None else proc[r_idx]
                 rand_rows = [rows[i] for i in rand]
                 w = self._weights(x, [r.sampling for r in rand_rows])
-                drawn = _draw(w, self._uniforms(rand_rows, dev)).tolist()
+                drawn = _check_drawn(_draw(w, self._uniforms(rand_rows, dev)).tolist(), vocab)
                 for i, t in zip(rand, drawn, strict=True):
                     tokens[i] = t
             return [[t] for t in tokens]
@@ -248,7 +248,7 @@ class Sampler:
             q = draft_probs[i] if draft_probs is not None else None
             k = b - a - 1
             u = self._seq_uniforms(seq, 2 * k + 1, dev)
-            out.append(accept_random(probs, list(drafts[i]), q, u))
+            out.append(_check_drawn(accept_random(probs, list(drafts[i]), q, u), vocab))
         return out
 
     # ---- logit processing (in place on `proc`, the sampler's own copy) ----
@@ -407,6 +407,14 @@ class Sampler:
 def _greedy_result(drafts: tuple[int, ...], targets: list[int]) -> SampleResult:
     tokens = accept_greedy(list(drafts), targets)
     return SampleResult(tokens, None, len(tokens) - 1)
+
+
+def _check_drawn(tokens: list[int], vocab: int) -> list[int]:
+    """Non-finite weights (e.g. logits overflowed by extreme parameters) make a draw land
+    outside the vocabulary; raise rather than feed the model a token it has no row for."""
+    if any(t < 0 or t >= vocab for t in tokens):
+        raise ValueError("a draw fell outside the vocabulary (non-finite logits)")
+    return tokens
 
 
 def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -219,7 +219,11 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            spec = self._spec_tokens(seq, n, min(cap - used, step.budget) - n)
+            spec = (
+                self._spec_tokens(seq, n, min(cap - used, step.budget) - n)
+                if seq.spec_token_ids
+                else ()
+            )
             if spec and self.kv.allocate_slots(seq, n + len(spec)):
                 step.add(seq, n, spec)
                 used += n + len(spec)
