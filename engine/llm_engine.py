@@ -46,7 +46,9 @@ class EngineCounters:
     steps: int = 0
     generated_tokens: int = 0
     aborted: int = 0
-    failed: int = 0
+    failed: int = 0  # requests ended with finish reason "error"
+    draft_tokens: int = 0  # drafts verified
+    accepted_tokens: int = 0  # of those, kept by verification (before any stop cuts the run)
 
 
 @dataclass(slots=True)
@@ -240,6 +242,9 @@ class LLMEngine:
             return self._finish_failed(_NewTokens(seq, error=f"{type(e).__name__}: {e}"))
         seq.token_ids.extend(tokens)
         self.counters.generated_tokens += len(tokens)
+        if chunk.spec_token_ids:
+            self.counters.draft_tokens += len(chunk.spec_token_ids)
+            self.counters.accepted_tokens += result.num_accepted
         if seq.timings.first_token is None:
             seq.timings.first_token = time.monotonic()
         logprobs = result.logprobs

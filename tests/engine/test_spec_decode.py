@@ -124,6 +124,11 @@ def test_greedy_output_and_kv_do_not_depend_on_the_drafts(baseline, mode: str) -
     assert cached_hashes(engine) == cached_hashes(base_engine)
     full = {rid: (PROMPTS | SECOND_WAVE)[rid] + reference[rid] for rid in reference}
     assert cached_hashes(engine) <= valid_hashes(engine, full)
+    counters = engine.counters
+    assert counters.draft_tokens > 0
+    assert counters.generated_tokens == base_engine.counters.generated_tokens
+    if mode == "wrong":
+        assert counters.accepted_tokens == 0
     if mode == "right":  # several tokens per step: fewer steps
         assert engine.counters.steps < base_engine.counters.steps
         assert any(len(d.token_ids) == K + 1 for d in out["a"])
