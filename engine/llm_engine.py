@@ -1,15 +1,26 @@
-"""The synchronous engine core: one `step()` = schedule, execute, sample, update, emit.
+"""The synchronous engine core: one `step()` = schedule, execute, sample/verify, append,
+update, emit, propose.
 
 Not thread-safe: exactly one thread calls `add_request`, `abort` and `step` (the AsyncEngine
 runs all three on its single engine thread). Deltas are produced only for sequences that
-sampled a token this step, for aborted ones, and for ones that failed validation.
+sampled this step (all of their new tokens: accepted drafts and the target's own), for
+aborted ones, and for ones that failed.
+
+A bad request never takes the engine down: `step()` does not raise because of one request.
+A failure in one request's own work (sampling or verification, stop checks, detokenization)
+ends that request with finish reason "error" and an `error` message on its last delta, its
+KV freed; its batch neighbours go on. A failed forward pass ends the requests of that step
+the same way, and later steps serve later requests.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
@@ -17,13 +28,17 @@ from engine.kv.block_hash import model_key
 from engine.kv.cache_manager import KVCacheManager
 from engine.models.resolve import ModelResolver, local_model_dir
 from engine.output.detokenizer import IncrementalDetokenizer
-from engine.output.stop import check_stop
-from engine.request import FinishReason, Request, TokenDelta
+from engine.output.stop import find_stop
+from engine.request import FinishReason, Request, TokenDelta, TokenLogprob
 from engine.runner.model_runner import ModelRunner
 from engine.sample.sampler import Sampler, SampleResult
+from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sched.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
+from engine.spec.proposer import NoopProposer, Proposer
 from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -31,10 +46,32 @@ class EngineCounters:
     steps: int = 0
     generated_tokens: int = 0
     aborted: int = 0
+    failed: int = 0  # requests ended with finish reason "error"
+    draft_tokens: int = 0  # drafts verified
+    accepted_tokens: int = 0  # of those, kept by verification (before any stop cuts the run)
+
+
+@dataclass(slots=True)
+class _NewTokens:
+    """One sequence's outcome of a step, before it is emitted."""
+
+    seq: Sequence
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    reason: FinishReason | None = None
+    error: str | None = None
+    num_accepted: int = 0  # drafts among `token_ids` (a prefix) whose K/V counts as computed
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, resolve_model: ModelResolver = local_model_dir):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        resolve_model: ModelResolver = local_model_dir,
+        proposer: Proposer | None = None,
+    ):
         self.config = config
         self.model_path = resolve_model(config.model)
         self.model_name = config.model
@@ -56,6 +93,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler(info.vocab_size, self.eos_token_ids, seed=config.seed)
+        self.proposer: Proposer = proposer if proposer is not None else NoopProposer()
         self.counters = EngineCounters()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # only requests that carry one
@@ -111,13 +149,17 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return expired
-        logits = self.runner.execute(out)
-        sampling = [c.seq for c in out.chunks if c.samples]
-        results = self.sampler.sample(logits, sampling) if sampling else []
-        self.scheduler.update(out)
+        logits = self._execute(out)
+        if logits is None:
+            return expired + self._fail_step(out)
+        chunks = [c for c in out.chunks if c.samples]
+        news = [
+            self._append(c, r) for c, r in zip(chunks, self._sample(logits, chunks), strict=True)
+        ]
+        self.scheduler.update(out, self._num_accepted(chunks, news))
         self.counters.steps += 1
-        now = time.monotonic()
-        deltas = [self._append(seq, r, now) for seq, r in zip(sampling, results, strict=True)]
+        deltas = [self._emit(n) for n in news]
+        self._propose([n.seq for n in news if n.seq.status is SequenceStatus.RUNNING])
         return expired + deltas if expired else deltas
 
     def _expire_deadlines(self) -> list[TokenDelta]:
@@ -128,25 +170,150 @@ class LLMEngine:
             del self._deadlines[rid]
         return [d for rid in late if (d := self.abort(rid)) is not None]
 
-    def _append(self, seq: Sequence, result: SampleResult, now: float) -> TokenDelta:
-        token = result.token_id
-        seq.token_ids.append(token)
-        self.counters.generated_tokens += 1
+    def _execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """The step's logits, or None when the batched forward pass failed."""
+        try:
+            return self.runner.execute(out)
+        except Exception:
+            logger.exception(
+                "the forward pass failed; ending the step's %d requests", len(out.chunks)
+            )
+            return None
+
+    def _fail_step(self, out: SchedulerOutput) -> list[TokenDelta]:
+        """End every request of a step whose forward pass failed (their KV is freed)."""
+        message = "the engine failed to run this request's batch"
+        news = [_NewTokens(c.seq, error=message) for c in out.chunks]
+        return [self._emit(n) for n in news if not n.seq.is_finished]
+
+    def _sample(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk]
+    ) -> list[SampleResult | str]:
+        """One result per chunk, or the error of a chunk whose sampling failed: the batch is
+        sampled at once; if that raises, each chunk alone, so only the failing ones fail."""
+        if not chunks:
+            return []
+        seqs = [c.seq for c in chunks]
+        drafts = (
+            [c.spec_token_ids for c in chunks] if any(c.spec_token_ids for c in chunks) else None
+        )
+        probs = None if drafts is None else [_draft_probs(c) for c in chunks]
+        try:
+            return list(self.sampler.sample(logits, seqs, drafts, probs))
+        except Exception:
+            logger.exception("batched sampling failed; sampling each request alone")
+        results: list[SampleResult | str] = []
+        row = 0
+        for chunk in chunks:
+            n = len(chunk.spec_token_ids) + 1
+            spec = None if drafts is None else [chunk.spec_token_ids]
+            one = None if drafts is None else [_draft_probs(chunk)]
+            try:
+                results.append(
+                    self.sampler.sample(logits[row : row + n], [chunk.seq], spec, one)[0]
+                )
+            except Exception as e:
+                results.append(f"sampling failed: {type(e).__name__}: {e}")
+            row += n
+        return results
+
+    def _append(self, chunk: ScheduledChunk, result: SampleResult | str) -> _NewTokens:
+        """Cut the new tokens at the first stop (token or string), append them to the sequence
+        and detokenize them. A failure here fails this request only (it is finished now)."""
+        seq = chunk.seq
+        if isinstance(result, str):
+            return self._finish_failed(_NewTokens(seq, error=result))
+        tokens = result.token_ids
+        try:
+            kept, reason = find_stop(seq, tokens, self.eos_token_ids, self.max_model_len)
+            if kept < len(tokens):
+                tokens = tokens[:kept]
+            detok = self._detok[seq.request_id]
+            if len(tokens) > 1 and seq.sampling.stop:
+                text, tokens, stop_hit = _push_each(detok, tokens)
+            else:
+                text, stop_hit = detok.push(tokens)
+            if stop_hit:
+                reason = FinishReason.STOP
+            elif reason is not None:
+                text += detok.flush()
+        except Exception as e:
+            logger.exception("request %s failed after sampling", seq.request_id)
+            return self._finish_failed(_NewTokens(seq, error=f"{type(e).__name__}: {e}"))
+        seq.token_ids.extend(tokens)
+        self.counters.generated_tokens += len(tokens)
+        if chunk.spec_token_ids:
+            self.counters.draft_tokens += len(chunk.spec_token_ids)
+            self.counters.accepted_tokens += result.num_accepted
         if seq.timings.first_token is None:
-            seq.timings.first_token = now
-        reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
-        detok = self._detok[seq.request_id]
-        text, stop_hit = detok.push([token])
-        if stop_hit:
-            reason = FinishReason.STOP
-        elif reason is not None:
-            text += detok.flush()
-        logprobs = None if result.logprob is None else [result.logprob]
-        if reason is not None:
-            seq.timings.finished = now
-            self.scheduler.finish(seq, reason)
+            seq.timings.first_token = time.monotonic()
+        logprobs = result.logprobs
+        if logprobs is not None and len(logprobs) > len(tokens):
+            logprobs = logprobs[: len(tokens)]
+        # As without drafts, every token but the last counts as computed: a run cut at a stop
+        # may end on a draft whose K/V is valid, but the request finishes anyway.
+        accepted = min(result.num_accepted, len(tokens) - 1)
+        return _NewTokens(seq, tokens, text, logprobs, reason, num_accepted=accepted)
+
+    @staticmethod
+    def _num_accepted(
+        chunks: list[ScheduledChunk], news: list[_NewTokens]
+    ) -> dict[str, int] | None:
+        """Per chunk with drafts: how many drafts were kept and appended (their K/V is valid)."""
+        if not any(c.spec_token_ids for c in chunks):
+            return None
+        return {
+            c.seq.request_id: n.num_accepted
+            for c, n in zip(chunks, news, strict=True)
+            if c.spec_token_ids
+        }
+
+    def _emit(self, new: _NewTokens) -> TokenDelta:
+        seq = new.seq
+        if new.error is not None:
+            self._finish_failed(new)
+        elif new.reason is not None:
+            seq.timings.finished = time.monotonic()
+            self.scheduler.finish(seq, new.reason)
             self._forget(seq.request_id)
-        return self._delta(seq, [token], text, reason, logprobs)
+        delta = self._delta(seq, new.token_ids, new.text, new.reason, new.logprobs)
+        delta.error = new.error
+        return delta
+
+    def _finish_failed(self, new: _NewTokens) -> _NewTokens:
+        """End a request that failed in the engine: finish reason "error", KV freed now."""
+        new.reason = FinishReason.ERROR
+        if not new.seq.is_finished:
+            self.counters.failed += 1
+            new.seq.timings.finished = time.monotonic()
+            self.scheduler.finish(new.seq, FinishReason.ERROR)
+            self._forget(new.seq.request_id)
+        return new
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        """Replace the drafts of `seqs` (about to decode) with the proposer's. A proposer that
+        fails, or a draft outside the vocabulary, costs speculation only."""
+        try:
+            drafts = self.proposer.propose(seqs)
+        except Exception:
+            logger.exception("the proposer failed; decoding without drafts this step")
+            drafts = {}
+        for seq in seqs:
+            if seq.spec_token_ids:
+                seq.spec_token_ids, seq.spec_probs = [], None
+        vocab = self.runner.info.vocab_size
+        for request_id, draft in drafts.items():
+            target = self.scheduler.get(request_id)
+            if target is None or target.status is not SequenceStatus.RUNNING:
+                continue
+            if not all(0 <= t < vocab for t in draft.token_ids):
+                continue
+            if draft.probs is not None and tuple(draft.probs.shape) != (
+                len(draft.token_ids),
+                vocab,
+            ):
+                continue
+            seq.spec_token_ids, seq.spec_probs = list(draft.token_ids), draft.probs
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
@@ -193,3 +360,21 @@ class LLMEngine:
             "num_steps": self.counters.steps,
             "generation_tokens": self.counters.generated_tokens,
         }
+
+
+def _draft_probs(chunk: ScheduledChunk) -> torch.Tensor | None:
+    """The proposer's distributions for the drafts the scheduler kept (a prefix)."""
+    probs = chunk.seq.spec_probs
+    return None if probs is None else probs[: len(chunk.spec_token_ids)]
+
+
+def _push_each(detok: IncrementalDetokenizer, tokens: list[int]) -> tuple[str, list[int], bool]:
+    """Detokenize a run one token at a time, so that a stop string ends it at the token that
+    completed it: (new text, tokens kept, stop string hit)."""
+    pieces = []
+    for i, token in enumerate(tokens):
+        piece, stop_hit = detok.push([token])
+        pieces.append(piece)
+        if stop_hit:
+            return "".join(pieces), tokens[: i + 1], True
+    return "".join(pieces), tokens, False

@@ -6,12 +6,29 @@ Everything here is plain data (dataclasses with slots) so it crosses process bou
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from engine.errors import InvalidRequest
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_TOKEN_ID_MAX = 2**31 - 1
+_INT_PARAMS = ("max_tokens", "top_k", "min_tokens", "logprobs", "seed")
+_FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class RequestClass(StrEnum):
@@ -56,6 +73,20 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def validate(self) -> None:
+        """Reject every value the engine cannot process, naming the parameter.
+
+        Numbers must be real (ints where counts are meant; bools are not numbers here) and
+        finite. `seed` must fit torch's generator: an integer in [-2**63, 2**64 - 1].
+        `stop_token_ids` must be integers in [0, 2**31 - 1].
+        """
+        for param in _INT_PARAMS:
+            value = getattr(self, param)
+            if not (value is None and param in ("seed", "logprobs")) and not _is_int(value):
+                raise InvalidRequest(param, f"{param} must be an integer")
+        for param in _FLOAT_PARAMS:
+            value = getattr(self, param)
+            if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+                raise InvalidRequest(param, f"{param} must be a finite number")
         checks = (
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
@@ -64,10 +95,31 @@ class SamplingParams:
             ("top_k", self.top_k >= -1, "must be -1, 0 (off) or positive"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            # Below 0.01 a penalised logit overflows float32 (inf logits sample garbage).
+            (
+                "repetition_penalty",
+                0.01 <= self.repetition_penalty <= 10.0,
+                "must be in [0.01, 10]",
+            ),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            (
+                "seed",
+                self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX,
+                "must be an integer in [-2**63, 2**64 - 1]",
+            ),
+            (
+                "stop_token_ids",
+                all(_is_int(t) and 0 <= t <= _TOKEN_ID_MAX for t in self.stop_token_ids),
+                "must be integers in [0, 2**31 - 1]",
+            ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
+            (
+                "skip_special_tokens",
+                isinstance(self.skip_special_tokens, bool),
+                "must be a boolean",
+            ),
         )
         for param, ok, message in checks:
             if not ok:

@@ -1,15 +1,21 @@
 """Engine-side state of one request: its tokens, KV blocks, status and timings.
 
 There is no prefill phase: every scheduled sequence catches `num_computed_tokens` (tokens
-whose K/V sit in the cache) up towards `num_tokens` (see `engine.sched.output`).
+whose K/V sit in the cache) up towards `num_tokens` (see `engine.sched.output`). Speculative
+tokens are more tokens to catch up: `spec_token_ids` are the drafts a proposer made for the
+sequence's next step (never part of `token_ids` until the target accepts them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from engine.request import FinishReason, Request, RequestClass, SamplingParams, Timings
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(Enum):
@@ -30,6 +36,10 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # Drafts for the next step and, optionally, the proposer's distributions `[k, vocab]`
+    # they were drawn from (None: point masses). Replaced by the engine after every step.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:

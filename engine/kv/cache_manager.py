@@ -5,6 +5,8 @@ positions `[i * block_size, (i + 1) * block_size)`. Its life with the scheduler:
 
     get_computed_blocks(seq)        on (re)admission: reference the longest cached prefix
     allocate_slots(seq, n)          before each step: cover num_computed_tokens + n positions
+    rollback(seq)                   after a step with drafts: drop blocks past the computed
+                                    positions (they hold only rejected drafts)
     cache_full_blocks(seq)          after each step: name the blocks that became full
     free(seq)                       on finish, abort or preemption: drop the references
 
@@ -156,6 +158,19 @@ class KVCacheManager:
                 state.hashes.append(hash_block(parent, tokens, self.extra_key))
             self.pool.cache(seq.block_ids[i], state.hashes[i])
         state.num_cached = max(state.num_cached, num_full)
+
+    def rollback(self, seq: Sequence) -> None:
+        """Return the blocks of `seq` past `num_computed_tokens` to the pool, last first.
+
+        After verification `num_computed_tokens` counts only positions whose K/V is valid, so
+        the dropped blocks hold rejected drafts and nothing else; they were never cached (only
+        blocks whose every position is computed are). A kept partial block may hold rejected
+        K/V past `num_computed_tokens`: those slots are rewritten before anything reads them.
+        """
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        if len(seq.block_ids) > keep:
+            self.pool.free(reversed(seq.block_ids[keep:]))
+            del seq.block_ids[keep:]
 
     def free(self, seq: Sequence) -> None:
         """Drop the references of `seq`, last block first, and clear `seq.block_ids`.

@@ -1,4 +1,5 @@
-"""Token-level stop checks, applied once per new token after it is appended to the sequence.
+"""Token-level stop checks: `check_stop` for a token just appended, `find_stop` for a run of
+new tokens (a step that accepted drafts), which truncates the run at the first stop.
 
 Stop *strings* are the detokenizer's business (`engine.output.detokenizer`): they need text.
 
@@ -25,13 +26,45 @@ def check_stop(
     seq: Sequence, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int
 ) -> FinishReason | None:
     """Why `seq` finishes now that `token_id` (its last token) was appended, or None."""
+    return _reason(
+        seq, token_id, seq.num_output_tokens, seq.num_tokens, eos_token_ids, max_model_len
+    )
+
+
+def find_stop(
+    seq: Sequence, new_token_ids: list[int], eos_token_ids: tuple[int, ...], max_model_len: int
+) -> tuple[int, FinishReason | None]:
+    """Where a run of new tokens (not yet appended to `seq`) ends the request.
+
+    Returns `(n, reason)`: the first `n` tokens are kept and `reason` is why the request
+    finishes with the `n`-th (`check_stop` applied token by token), or
+    `(len(new_token_ids), None)`. Tokens after a stop are dropped: never counted or emitted.
+    """
+    num_output, num_tokens = seq.num_output_tokens, seq.num_tokens
+    for i, token_id in enumerate(new_token_ids, start=1):
+        reason = _reason(
+            seq, token_id, num_output + i, num_tokens + i, eos_token_ids, max_model_len
+        )
+        if reason is not None:
+            return i, reason
+    return len(new_token_ids), None
+
+
+def _reason(
+    seq: Sequence,
+    token_id: int,
+    num_output: int,
+    num_tokens: int,
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+) -> FinishReason | None:
+    """The checks for `token_id` as the last of `num_output` output tokens (`num_tokens` in all)."""
     sp = seq.sampling
-    num_output = seq.num_output_tokens
     if num_output - 1 >= sp.min_tokens:
         if not sp.ignore_eos and token_id in eos_token_ids:
             return FinishReason.STOP
         if token_id in sp.stop_token_ids:
             return FinishReason.STOP
-    if num_output >= sp.max_tokens or seq.num_tokens >= max_model_len:
+    if num_output >= sp.max_tokens or num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None

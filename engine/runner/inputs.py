@@ -49,7 +49,7 @@ class StepInputs:
     cu_seqlens_q: list[int]
     seq_lens_k: list[int]
     block_tables: list[list[int]]
-    sample_rows: list[int]  # packed row of the last token of each sampling chunk
+    sample_rows: list[int]  # packed rows of each sampling chunk's last real token and drafts
 
 
 @dataclass(slots=True)

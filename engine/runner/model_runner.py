@@ -6,9 +6,10 @@ tokens end to end into plain lists once (`pack`), writes them into the persisten
 buffers allocated at start-up (`engine.runner.inputs.StepBuffers`: no tensor is built from a
 list per step, and input addresses stay fixed, as CUDA graphs need), runs one forward under
 `torch.inference_mode()`, and returns float32 logits for the chunks that sample, in chunk
-order. It reads sequences (token ids, block ids) and never mutates
-them or any scheduler state; the scheduler must already have allocated a block for every
-position being computed.
+order: one row for the chunk's last real token, then one row per draft (`spec_token_ids`,
+fed after the real tokens), so `k + 1` rows for `k` drafts. It reads sequences (token ids,
+block ids) and never mutates them or any scheduler state; the scheduler must already have
+allocated a block for every position being computed, drafts included.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class ModelRunner:
         )
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """`[num_sampling_chunks, vocab]` float32 logits, in chunk order."""
+        """`[num_sample_rows, vocab]` float32 logits: per sampling chunk in chunk order, its
+        last real token's row followed by one row per draft."""
         if out.is_empty:
             return torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
         return self._run(self.pack(out))
@@ -81,16 +83,19 @@ class ModelRunner:
         step = StepInputs([], [], [], [0], [], [], [])
         for chunk in out.chunks:
             seq, start = chunk.seq, chunk.start
-            end = start + chunk.num_tokens
+            end = start + chunk.num_tokens_with_spec
             blocks = seq.block_ids
-            step.input_ids.extend(seq.token_ids[start:end])
+            step.input_ids.extend(seq.token_ids[start : start + chunk.num_tokens])
+            if chunk.spec_token_ids:
+                step.input_ids.extend(chunk.spec_token_ids)
             step.positions.extend(range(start, end))
             step.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + chunk.num_tokens)
+            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + chunk.num_tokens_with_spec)
             step.seq_lens_k.append(end)
             step.block_tables.append(blocks[: (end + bs - 1) // bs])
             if chunk.samples:
-                step.sample_rows.append(step.cu_seqlens_q[-1] - 1)
+                last = step.cu_seqlens_q[-1] - 1
+                step.sample_rows.extend(range(last - len(chunk.spec_token_ids), last + 1))
         return step
 
     def warmup(self) -> None:

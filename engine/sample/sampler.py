@@ -1,4 +1,7 @@
-"""Turn one step's logits into one token per sequence.
+"""Turn one step's logits into new tokens: one per sequence, or, for a sequence that carries
+speculative (draft) tokens, the drafts the target accepts plus one of its own
+(`engine.sample.rejection`). A draft position is a row like any other: all of the work below
+applies to it, with the drafts before it counted as output tokens.
 
 Order of work for a row (all rows of a kind are processed together, one tensor op each):
 
@@ -16,7 +19,8 @@ Order of work for a row (all rows of a kind are processed together, one tensor o
    random numbers).
 
 Randomness: a request with `seed` owns a `torch.Generator` seeded with it, kept here under
-its request id and advanced by exactly one uniform per randomly sampled token, so its tokens
+its request id and advanced by exactly one uniform per randomly sampled token (`2k + 1` for a
+step that verifies `k` drafts), so its tokens
 depend on the seed and its own logits only, never on batch neighbours or batch position. Call
 `forget(request_id)` when a request ends. Unseeded rows share one sampler-wide generator.
 
@@ -30,10 +34,12 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from engine.request import SamplingParams, TokenLogprob
+from engine.sample.rejection import accept_greedy, accept_random
 from engine.sequence import Sequence
 
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows float32)
@@ -41,8 +47,55 @@ _GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overf
 
 @dataclass(slots=True)
 class SampleResult:
-    token_id: int
-    logprob: TokenLogprob | None = None
+    """The new tokens of one sequence this step: the kept drafts, then one token of the
+    target's own (so never empty), with their logprobs when asked."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    num_accepted: int = 0  # drafts kept (a prefix of `token_ids`)
+
+
+class _Row(Protocol):
+    """What the sampler reads of a sequence for one row of logits."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+@dataclass(slots=True)
+class _DraftRow:
+    """The row of a draft position: the sequence as it is if the drafts before it are kept."""
+
+    seq: Sequence
+    drafts: tuple[int, ...]  # the drafts before this position
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.seq.sampling
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + list(self.drafts)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + list(self.drafts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.drafts)
 
 
 def _is_plain_greedy(sp: SamplingParams, num_output_tokens: int) -> bool:
@@ -58,9 +111,10 @@ def _is_plain_greedy(sp: SamplingParams, num_output_tokens: int) -> bool:
 
 @dataclass(slots=True)
 class Sampler:
-    """Samples one token per row of `logits [N, V']` (V' >= vocab_size; extra columns, e.g.
-    a padded LM head, are ignored). `seed` seeds the generator of unseeded requests (random
-    when None)."""
+    """Samples the next token of each sequence and verifies its drafts (`sample`).
+
+    Logits rows may have extra columns (V' >= vocab_size, e.g. a padded LM head); they are
+    ignored. `seed` seeds the generator of unseeded requests (random when None)."""
 
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -73,53 +127,134 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
+    def sample(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        drafts: list[tuple[int, ...]] | None = None,
+        draft_probs: list[torch.Tensor | None] | None = None,
+    ) -> list[SampleResult]:
+        """One result per sequence. Without drafts `logits` has one row per sequence; with
+        them, `len(drafts[i]) + 1` consecutive rows for sequence `i` (the target's logits at
+        each draft position and after the last), verified as `engine.sample.rejection` says.
+        `draft_probs[i]` (`[len(drafts[i]), V]`, or None for point masses) are the
+        proposer's distributions. Every row gets the full processing of the module doc, with
+        the drafts before it counted as output tokens (penalties, `min_tokens`)."""
+        if drafts is not None and not any(drafts):
+            drafts = None
+        num_rows = len(seqs) + (sum(len(d) for d in drafts) if drafts is not None else 0)
+        if logits.dim() != 2 or logits.shape[0] != num_rows:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {num_rows} rows")
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
         if not seqs:
             return []
         logits = logits[:, : self.vocab_size]
-        if all(_is_plain_greedy(s.sampling, s.num_output_tokens) for s in seqs):
-            return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]
-
-        rows = range(len(seqs))
-        rep = [i for i in rows if seqs[i].sampling.repetition_penalty != 1.0]
-        freq_pres = [i for i in rows if _has_freq_pres(seqs[i].sampling)]
-        banned = self._banned(seqs)
-        if rep or freq_pres or banned[0]:
-            proc = logits.to(torch.float32, copy=True)  # the sampler's own copy, edited in place
-            self._apply_penalties(proc, seqs, rep, freq_pres)
-            if banned[0]:
-                dev = proc.device
-                proc[torch.tensor(banned[0], device=dev), torch.tensor(banned[1], device=dev)] = (
-                    float("-inf")
-                )
+        plain = all(_is_plain_greedy(s.sampling, s.num_output_tokens) for s in seqs)
+        if drafts is None:
+            if plain:
+                return [SampleResult([t]) for t in logits.argmax(dim=-1).tolist()]
+            rows: list[_Row] = list(seqs)
+            starts = list(range(len(seqs) + 1))
         else:
-            proc = logits.float()  # read-only from here on: may alias the caller's tensor
+            starts = [0]
+            for d in drafts:
+                starts.append(starts[-1] + len(d) + 1)
+            if plain:  # one argmax for the whole step, then a prefix match per sequence
+                targets = logits.argmax(dim=-1).tolist()
+                return [
+                    _greedy_result(d, targets[starts[i] : starts[i + 1]])
+                    for i, d in enumerate(drafts)
+                ]
+            rows = [
+                _DraftRow(seq, d[:j]) if j else seq
+                for seq, d in zip(seqs, drafts, strict=True)
+                for j in range(len(d) + 1)
+            ]
+        proc = self._process(logits, rows)
+        new_tokens = self._choose(proc, seqs, rows, starts, drafts, draft_probs)
+        logprobs = self._logprobs(proc, seqs, starts, new_tokens)
+        return [SampleResult(t, lp, len(t) - 1) for t, lp in zip(new_tokens, logprobs, strict=True)]
 
-        greedy = [i for i in rows if seqs[i].sampling.temperature < _GREEDY_EPS]
-        if len(greedy) == len(seqs):
-            tokens = proc.argmax(dim=-1)
-        elif not greedy:
-            tokens = self._sample_random(proc, seqs)
-        else:
-            rand = [i for i in rows if seqs[i].sampling.temperature >= _GREEDY_EPS]
-            tokens = torch.empty(len(seqs), dtype=torch.long, device=proc.device)
-            g_idx = torch.tensor(greedy, device=proc.device)
-            r_idx = torch.tensor(rand, device=proc.device)
-            tokens[g_idx] = proc[g_idx].argmax(dim=-1)
-            tokens[r_idx] = self._sample_random(proc[r_idx], [seqs[i] for i in rand])
+    def _process(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Penalties and `min_tokens` bans (steps 1-2), float32; may alias `logits`."""
+        n = range(len(rows))
+        rep = [i for i in n if rows[i].sampling.repetition_penalty != 1.0]
+        freq_pres = [i for i in n if _has_freq_pres(rows[i].sampling)]
+        banned = self._banned(rows)
+        if not (rep or freq_pres or banned[0]):
+            return logits.float()  # read-only from here on: may alias the caller's tensor
+        proc = logits.to(torch.float32, copy=True)  # the sampler's own copy, edited in place
+        self._apply_penalties(proc, rows, rep, freq_pres)
+        if banned[0]:
+            dev = proc.device
+            proc[torch.tensor(banned[0], device=dev), torch.tensor(banned[1], device=dev)] = float(
+                "-inf"
+            )
+        return proc
 
-        token_list: list[int] = tokens.tolist()
-        logprobs = self._logprobs(proc, seqs, token_list)
-        return [SampleResult(t, lp) for t, lp in zip(token_list, logprobs, strict=True)]
+    def _choose(
+        self,
+        proc: torch.Tensor,
+        seqs: list[Sequence],
+        rows: list[_Row],
+        starts: list[int],
+        drafts: list[tuple[int, ...]] | None,
+        draft_probs: list[torch.Tensor | None] | None,
+    ) -> list[list[int]]:
+        """The new tokens of each sequence: argmax or one draw per row without drafts,
+        verification (`engine.sample.rejection`) for sequences with drafts."""
+        dev, vocab = proc.device, proc.shape[1]
+        is_greedy = [r.sampling.temperature < _GREEDY_EPS for r in rows]
+        for row, g in zip(rows, is_greedy, strict=True):
+            if not g and row.sampling.seed is not None:
+                # Every generator exists before any draws: a seed the generator rejects
+                # raises here, before it could advance a neighbour's generator.
+                self._request_generator(row, dev)
+        tokens: list[int] = [0] * len(rows)
+        greedy = [i for i, g in enumerate(is_greedy) if g]
+        rand = [i for i, g in enumerate(is_greedy) if not g]
+        if greedy:
+            g_idx = torch.tensor(greedy, device=dev) if rand else None
+            picked = (proc if g_idx is None else proc[g_idx]).argmax(dim=-1).tolist()
+            for i, t in zip(greedy, picked, strict=True):
+                tokens[i] = t
+        out: list[list[int]] = []
+        if drafts is None:
+            if rand:
+                r_idx = torch.tensor(rand, device=dev) if greedy else None
+                x = proc if r_idx is None else proc[r_idx]
+                rand_rows = [rows[i] for i in rand]
+                w = self._weights(x, [r.sampling for r in rand_rows])
+                drawn = _check_drawn(_draw(w, self._uniforms(rand_rows, dev)).tolist(), vocab)
+                for i, t in zip(rand, drawn, strict=True):
+                    tokens[i] = t
+            return [[t] for t in tokens]
+        weights_by_row: dict[int, int] = {}
+        weights: torch.Tensor | None = None
+        if rand:
+            weights = self._weights(
+                proc[torch.tensor(rand, device=dev)], [rows[i].sampling for i in rand]
+            )
+            weights_by_row = {row: k for k, row in enumerate(rand)}
+        for i, seq in enumerate(seqs):
+            a, b = starts[i], starts[i + 1]
+            if is_greedy[a]:
+                out.append(accept_greedy(list(drafts[i]), tokens[a:b]))
+                continue
+            assert weights is not None
+            w = weights[weights_by_row[a] : weights_by_row[a] + (b - a)]
+            probs = w / w.sum(dim=-1, keepdim=True)
+            q = draft_probs[i] if draft_probs is not None else None
+            k = b - a - 1
+            u = self._seq_uniforms(seq, 2 * k + 1, dev)
+            out.append(_check_drawn(accept_random(probs, list(drafts[i]), q, u), vocab))
+        return out
 
     # ---- logit processing (in place on `proc`, the sampler's own copy) ----
 
     def _apply_penalties(
-        self, proc: torch.Tensor, seqs: list[Sequence], rep: list[int], freq_pres: list[int]
+        self, proc: torch.Tensor, seqs: list[_Row], rep: list[int], freq_pres: list[int]
     ) -> None:
         """Sparse: touches only the (row, token) pairs that occurred, never a full [N, V] pass."""
         dev = proc.device
@@ -147,7 +282,7 @@ class Sampler:
             rows, ids = key // self.vocab_size, key % self.vocab_size
             proc.index_put_((rows.to(dev), ids.to(dev)), -pres_row[rows].to(dev), accumulate=True)
 
-    def _banned(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+    def _banned(self, seqs: list[_Row]) -> tuple[list[int], list[int]]:
         """(rows, token ids) that `min_tokens` forbids this step."""
         rows: list[int] = []
         cols: list[int] = []
@@ -165,14 +300,13 @@ class Sampler:
 
     # ---- drawing ----
 
-    def _sample_random(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then one inverse-CDF draw per row.
+    def _weights(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p: unnormalised weights, the best token's exactly 1.
 
         Every step is a per-row function of the row's own logits and params (filters cut by
         value, so ties at a cut are all kept and no tie order matters), so a seeded row draws
         the same token in any batch."""
         dev, vocab = x.device, x.shape[1]
-        params = [s.sampling for s in seqs]
         x = x / torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
         neg_inf = float("-inf")
 
@@ -188,42 +322,43 @@ class Sampler:
         if any(p.top_p < 1.0 for p in params):
             x = x.masked_fill(_top_p_drop(x, [p.top_p for p in params]), neg_inf)
 
-        # Unnormalised weights; the best token weighs exactly 1.
         weights = (x - x.max(dim=-1, keepdim=True).values).exp()
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
             weights = weights.masked_fill(weights < min_p, 0.0)
+        return weights
 
-        cdf = weights.cumsum(dim=-1)
-        total = cdf[:, -1:]
-        target = self._uniforms(seqs, dev) * total
-        # Strictly below the total, so the draw lands on a token of positive weight.
-        target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, target, right=True).squeeze(1)
-
-    def _uniforms(self, seqs: list[Sequence], dev: torch.device) -> torch.Tensor:
+    def _uniforms(self, rows: list[_Row], dev: torch.device) -> torch.Tensor:
         """One U[0, 1) draw per row: seeded rows from their own generator, others shared."""
-        seeded = [i for i, s in enumerate(seqs) if s.sampling.seed is not None]
+        seeded = [i for i, s in enumerate(rows) if s.sampling.seed is not None]
         if not seeded:
-            return torch.rand(len(seqs), 1, device=dev, generator=self._shared_generator(dev))
-        u = torch.empty(len(seqs), 1, device=dev)
-        unseeded = [i for i, s in enumerate(seqs) if s.sampling.seed is None]
+            return torch.rand(len(rows), 1, device=dev, generator=self._shared_generator(dev))
+        u = torch.empty(len(rows), 1, device=dev)
+        unseeded = [i for i, s in enumerate(rows) if s.sampling.seed is None]
         if unseeded:
             u[torch.tensor(unseeded, device=dev)] = torch.rand(
                 len(unseeded), 1, device=dev, generator=self._shared_generator(dev)
             )
         for i in seeded:
-            seq = seqs[i]
-            gen = self._request_generator(seq, seq.sampling.seed or 0, dev)
+            gen = self._request_generator(rows[i], dev)
             u[i] = torch.rand(1, device=dev, generator=gen)
         return u
 
-    def _request_generator(self, seq: Sequence, seed: int, dev: torch.device) -> torch.Generator:
-        gen = self._generators.get(seq.request_id)
+    def _seq_uniforms(self, row: _Row, n: int, dev: torch.device) -> torch.Tensor:
+        """`n` U[0, 1) draws for one sequence, from its own generator when it has a seed."""
+        gen = (
+            self._shared_generator(dev)
+            if row.sampling.seed is None
+            else self._request_generator(row, dev)
+        )
+        return torch.rand(n, device=dev, generator=gen)
+
+    def _request_generator(self, row: _Row, dev: torch.device) -> torch.Generator:
+        gen = self._generators.get(row.request_id)
         if gen is None:
             gen = torch.Generator(device=dev)
-            gen.manual_seed(seed)
-            self._generators[seq.request_id] = gen
+            gen.manual_seed(row.sampling.seed or 0)
+            self._generators[row.request_id] = gen
         return gen
 
     def _shared_generator(self, dev: torch.device) -> torch.Generator:
@@ -238,24 +373,59 @@ class Sampler:
     # ---- logprobs ----
 
     def _logprobs(
-        self, proc: torch.Tensor, seqs: list[Sequence], tokens: list[int]
-    ) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None] * len(seqs)
+        self,
+        proc: torch.Tensor,
+        seqs: list[Sequence],
+        starts: list[int],
+        new_tokens: list[list[int]],
+    ) -> list[list[TokenLogprob] | None]:
+        """Per sequence, one entry per new token: token `j` read from the sequence's row `j`."""
+        out: list[list[TokenLogprob] | None] = [None] * len(seqs)
         want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
         if not want:
             return out
-        idx = torch.tensor(want, device=proc.device)
-        lp = proc[idx].log_softmax(dim=-1)
-        chosen_ids = torch.tensor([tokens[i] for i in want], device=proc.device)
-        chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+        row_ids = [starts[i] + j for i in want for j in range(len(new_tokens[i]))]
+        chosen_ids = [t for i in want for t in new_tokens[i]]
+        dev = proc.device
+        lp = proc[torch.tensor(row_ids, device=dev)].log_softmax(dim=-1)
+        chosen = lp.gather(1, torch.tensor(chosen_ids, device=dev).unsqueeze(1)).squeeze(1)
         n_max = max(seqs[i].sampling.logprobs or 0 for i in want)
         top_vals, top_ids = lp.topk(min(n_max, lp.shape[1]), dim=-1)
-        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        for row, i in enumerate(want):
+        chosen_l, top_vals_l, top_ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+        k = 0
+        for i in want:
             n = seqs[i].sampling.logprobs or 0
-            top = list(zip(top_ids_l[row][:n], top_vals_l[row][:n], strict=True))
-            out[i] = TokenLogprob(tokens[i], chosen[row], top)
+            entries = []
+            for t in new_tokens[i]:
+                top = list(zip(top_ids_l[k][:n], top_vals_l[k][:n], strict=True))
+                entries.append(TokenLogprob(t, chosen_l[k], top))
+                k += 1
+            out[i] = entries
         return out
+
+
+def _greedy_result(drafts: tuple[int, ...], targets: list[int]) -> SampleResult:
+    tokens = accept_greedy(list(drafts), targets)
+    return SampleResult(tokens, None, len(tokens) - 1)
+
+
+def _check_drawn(tokens: list[int], vocab: int) -> list[int]:
+    """Non-finite weights (e.g. logits overflowed by extreme parameters) make a draw land
+    outside the vocabulary; raise rather than feed the model a token it has no row for."""
+    if any(t < 0 or t >= vocab for t in tokens):
+        raise ValueError("a draw fell outside the vocabulary (non-finite logits)")
+    return tokens
+
+
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One inverse-CDF draw per row of `weights [N, V]` with uniforms `u [N, 1]`, searched in
+    vocabulary order (cheap on CPU: no per-token random numbers)."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = u * total
+    # Strictly below the total, so the draw lands on a token of positive weight.
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _flatten(

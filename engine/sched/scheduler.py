@@ -31,7 +31,7 @@ import bisect
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -68,9 +68,9 @@ class _Step:
     out: SchedulerOutput = field(default_factory=SchedulerOutput)
     preempted_classes: set[RequestClass] = field(default_factory=set)
 
-    def add(self, seq: Sequence, n: int) -> None:
-        self.out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-        self.budget -= n
+    def add(self, seq: Sequence, n: int, spec: tuple[int, ...] = ()) -> None:
+        self.out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n, spec))
+        self.budget -= n + len(spec)
 
 
 def _arrival(seq: Sequence) -> float:
@@ -80,8 +80,9 @@ def _arrival(seq: Sequence) -> float:
 class Scheduler:
     """Owns every unfinished sequence; the engine drives it once per step.
 
-    `schedule()` → run the model on the chunks → `update(out)` → append sampled tokens →
-    `finish()` the ones that stopped. `abort()` may come between any two calls.
+    `schedule()` → run the model on the chunks → append the new tokens (accepted drafts
+    first) → `update(out, num_accepted)` → `finish()` the ones that stopped. `abort()` may
+    come between any two calls.
     """
 
     def __init__(
@@ -159,14 +160,27 @@ class Scheduler:
         self._admit(RequestClass.BULK, step.budget, cfg.max_num_seqs, step)
         return step.out
 
-    def update(self, out: SchedulerOutput) -> None:
-        """Account the chunks the model just computed (before sampled tokens are appended)."""
+    def update(self, out: SchedulerOutput, num_accepted: Mapping[str, int] | None = None) -> None:
+        """Account the chunks the model just computed.
+
+        `num_accepted[request_id]` is how many of a chunk's drafts were kept and are already
+        appended to the sequence's `token_ids` (missing: none). Only their K/V counts as
+        computed; blocks past the computed positions hold rejected drafts only and return to
+        the pool, and a block holding a rejected position is never cached (only blocks whose
+        every position is computed are).
+        """
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished since schedule(): its blocks are gone
             assert chunk.start == seq.num_computed_tokens, "update() applied twice"
             seq.num_computed_tokens += chunk.num_tokens
+            if chunk.spec_token_ids:
+                accepted = num_accepted.get(seq.request_id, 0) if num_accepted else 0
+                assert 0 <= accepted <= len(chunk.spec_token_ids)
+                seq.num_computed_tokens += accepted
+                assert seq.num_computed_tokens <= seq.num_tokens, "accepted drafts not appended"
+                self.kv.rollback(seq)
             self.kv.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -205,6 +219,16 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            spec = (
+                self._spec_tokens(seq, n, min(cap - used, step.budget) - n)
+                if seq.spec_token_ids
+                else ()
+            )
+            if spec and self.kv.allocate_slots(seq, n + len(spec)):
+                step.add(seq, n, spec)
+                used += n + len(spec)
+                i += 1
+                continue
             while not self.kv.allocate_slots(seq, n):
                 victim = self._pick_victim(seq)
                 self._preempt(victim, step)
@@ -215,6 +239,19 @@ class Scheduler:
                 used += n
                 i += 1
         return used
+
+    def _spec_tokens(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
+        """The drafts of `seq` to compute after its `n` scheduled tokens: none unless the chunk
+        reaches the end of the sequence; at most `budget`, and none past what the request may
+        still output or past the context."""
+        if not seq.spec_token_ids or seq.num_computed_tokens + n != seq.num_tokens:
+            return ()
+        room = min(
+            budget,
+            self.max_model_len - seq.num_tokens,
+            seq.sampling.max_tokens - seq.num_output_tokens - 1,
+        )
+        return tuple(seq.spec_token_ids[: max(0, room)])
 
     def _pick_victim(self, seq: Sequence) -> Sequence:
         """The lowest-priority running sequence not yet scheduled: bulk first, latest first.

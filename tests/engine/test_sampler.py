@@ -35,7 +35,7 @@ def rand_logits(n: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
 
 
 def tokens(results) -> list[int]:
-    return [r.token_id for r in results]
+    return [r.token_ids[0] for r in results]
 
 
 def counts(results, vocab: int = V) -> torch.Tensor:
@@ -64,7 +64,7 @@ def test_padded_vocab_columns_are_ignored() -> None:
     out = make_sampler().sample(logits, greedy + sampled)
     assert tokens(out)[:3] == logits[:3, :V].argmax(-1).tolist()
     assert all(t < V for t in tokens(out))
-    assert all(t < V for r in out[3:] for t, _ in r.logprob.top)
+    assert all(t < V for r in out[3:] for t, _ in r.logprobs[0].top)
 
 
 def test_temperature_sampling_matches_softmax() -> None:
@@ -118,7 +118,7 @@ def test_top_p_keeps_exactly_the_nucleus(scale: float) -> None:
     sampler = Sampler(vocab_size=vocab, eos_token_ids=EOS, seed=0)
     for _ in range(5):
         for i, r in enumerate(sampler.sample(logits, seqs)):
-            assert not drop[i, r.token_id]
+            assert not drop[i, r.token_ids[0]]
 
 
 def test_per_row_filters_do_not_leak_across_the_batch() -> None:
@@ -156,12 +156,12 @@ def test_penalties_match_hand_computation() -> None:
     expected_freq[5] += 1.5
     results = make_sampler().sample(row.expand(3, V), [plain, penalized, freq_only])
     for result, want_logits in zip(results, (row, expected, expected_freq), strict=True):
-        got = dict(result.logprob.top)
+        got = dict(result.logprobs[0].top)
         want = torch.log_softmax(want_logits, -1)
         assert sorted(got) == list(range(V))
         for t in range(V):
             assert got[t] == pytest.approx(float(want[t]), abs=1e-5)
-    assert results[1].token_id == int(expected.argmax())
+    assert results[1].token_ids[0] == int(expected.argmax())
     assert penalized.token_ids == [0, 1, 1, 2, 2]  # not mutated
 
 
@@ -180,7 +180,7 @@ def test_min_tokens_bans_eos_and_stop_token_ids() -> None:
 
     def pick(outputs: list[int], **params: object) -> int:
         seq = make_seq(outputs=outputs, temperature=0.0, stop_token_ids=(8,), **params)
-        return make_sampler().sample(logits, [seq])[0].token_id
+        return make_sampler().sample(logits, [seq])[0].token_ids[0]
 
     assert pick([], min_tokens=2) == 3
     assert pick([5], min_tokens=2) == 3
@@ -197,7 +197,7 @@ def _run_seeded(sampler: Sampler, batches: list[list[Sequence]], target: str) ->
         logits = torch.cat([rand_logits(1, seed=1000 * step + i) for i in range(len(seqs))])
         pos = next(i for i, s in enumerate(seqs) if s.request_id == target)
         logits[pos] = rand_logits(1, seed=step)[0]  # the target's logits depend on the step only
-        out.append(sampler.sample(logits, seqs)[pos].token_id)
+        out.append(sampler.sample(logits, seqs)[pos].token_ids[0])
     return out
 
 
@@ -223,7 +223,7 @@ def test_different_seeds_differ_and_forget_restarts() -> None:
 
     def draw(seed: int, rid: str, n: int = 8) -> list[int]:
         seq = make_seq(request_id=rid, temperature=1.0, seed=seed)
-        return [sampler.sample(logits, [seq])[0].token_id for _ in range(n)]
+        return [sampler.sample(logits, [seq])[0].token_ids[0] for _ in range(n)]
 
     first = draw(7, "a")
     assert draw(7, "b") == first  # same seed, another request: same stream
@@ -236,7 +236,7 @@ def test_different_seeds_differ_and_forget_restarts() -> None:
 def test_unseeded_requests_differ_across_calls() -> None:
     sampler = Sampler(vocab_size=V, eos_token_ids=EOS)  # random shared seed
     seq = make_seq(temperature=1.0)
-    draws = {sampler.sample(torch.zeros(1, V), [seq])[0].token_id for _ in range(30)}
+    draws = {sampler.sample(torch.zeros(1, V), [seq])[0].token_ids[0] for _ in range(30)}
     assert len(draws) > 3
     other = Sampler(vocab_size=V, eos_token_ids=EOS)
     a = tokens(sampler.sample(torch.zeros(64, V), [seq] * 64))
@@ -254,10 +254,10 @@ def test_logprobs_are_log_softmax_before_temperature_and_sorted() -> None:
     ]
     results = make_sampler().sample(logits, seqs)
     ref = torch.log_softmax(logits, -1)
-    assert results[2].logprob is None
+    assert results[2].logprobs is None
     for row, n in ((0, 5), (1, 3), (3, 0)):
-        lp = results[row].logprob
-        assert lp is not None and lp.token_id == results[row].token_id
+        lp = results[row].logprobs[0]
+        assert lp is not None and lp.token_id == results[row].token_ids[0]
         assert lp.logprob == pytest.approx(float(ref[row, lp.token_id]), abs=1e-5)
         assert len(lp.top) == n
         values = [v for _, v in lp.top]

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from engine.output.stop import check_stop
+from engine.output.stop import check_stop, find_stop
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sequence import Sequence
 
@@ -71,3 +73,47 @@ def test_eos_token_stays_in_output_ids() -> None:
     assert check_stop(seq, 2, EOS, 1000) is FinishReason.STOP
     assert seq.output_token_ids == [5, 2]  # check_stop does not remove the ending token
     assert seq.num_output_tokens == 2
+
+
+def test_find_stop_cuts_a_run_at_its_first_stop() -> None:
+    seq = make_seq([5])
+    assert find_stop(seq, [6, 8, 9], EOS, 1000) == (3, None)
+    assert find_stop(seq, [6, 2, 9, 7], EOS, 1000) == (
+        2,
+        FinishReason.STOP,
+    )  # EOS kept, rest dropped
+    assert find_stop(make_seq([5], stop_token_ids=(9,)), [6, 9, 2], EOS, 1000) == (
+        2,
+        FinishReason.STOP,
+    )
+    assert find_stop(make_seq([5], max_tokens=3), [6, 8, 9, 4], EOS, 1000) == (
+        2,
+        FinishReason.LENGTH,
+    )
+    assert find_stop(seq, [6, 8, 9], EOS, len(PROMPT) + 3) == (2, FinishReason.LENGTH)
+    # min_tokens: an EOS before it is an ordinary token, one after it stops.
+    assert find_stop(make_seq([5], min_tokens=3), [2, 6, 2], EOS, 1000) == (3, FinishReason.STOP)
+    assert seq.token_ids == [*PROMPT, 5]  # not mutated
+
+
+def test_find_stop_agrees_with_check_stop_token_by_token() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        sampling = dict(
+            max_tokens=rng.randint(1, 8),
+            min_tokens=rng.randint(0, 3),
+            ignore_eos=rng.random() < 0.3,
+            stop_token_ids=tuple(rng.sample(range(12), 2)),
+        )
+        sampling["min_tokens"] = min(sampling["min_tokens"], sampling["max_tokens"])
+        run = [rng.randrange(12) for _ in range(6)]
+        max_model_len = rng.randint(4, 14)
+        seq = make_seq([], **sampling)
+        kept, reason = find_stop(seq, run, EOS, max_model_len)
+        want: tuple[int, FinishReason | None] = (len(run), None)
+        for n, token in enumerate(run, start=1):
+            seq.token_ids.append(token)
+            if (why := check_stop(seq, token, EOS, max_model_len)) is not None:
+                want = (n, why)
+                break
+        assert (kept, reason) == want
