@@ -25,7 +25,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncGenerator, Mapping, Sized
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
@@ -114,12 +114,6 @@ class AsyncEngine:
             config.scheduler.max_waiting,
             interactive_reserve=config.scheduler.interactive_reserve,
         )
-        # Admission is decided on the loop, where the requests that will find a free seat do
-        # not count as waiting. `Scheduler.add` still refuses past its own `max_waiting`,
-        # counting them (they are added before the step seats them): lift that check by the
-        # seats so it stays a backstop that never refuses what admission let in.
-        sched = engine.scheduler.config
-        engine.scheduler.config = replace(sched, max_waiting=sched.max_waiting + sched.max_num_seqs)
         self._slots: dict[str, OutputSlot] = {}
         # Inputs for the engine thread, guarded by _cond's lock.
         self._cond = threading.Condition()

@@ -29,7 +29,8 @@ class SchedulerConfig:
     """Step scheduling limits.
 
     `max_num_batched_tokens` is the token budget of one step (decode tokens + prefill chunks).
-    `max_waiting` bounds the waiting queue: `add` past it raises `QueueFull`.
+    `max_waiting` bounds the waiting queue: past it `AsyncEngine`'s admission
+    (engine/sched/admission.py) answers `QueueFull` with a Retry-After from the drain rate.
     `bulk_min_share` is the fraction of each step's token budget that bulk requests may claim
     even while interactive ones wait, so bulk never starves.
     """

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -341,25 +340,6 @@ class LLMEngine:
         )
 
     # -- observability ----------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """Plain numbers for metrics and routing (safe to pickle)."""
-        s = self.scheduler.stats()
-        kv = self.kv.stats()
-        return {
-            "model": self.model_name,
-            "num_requests_running": dict(s.running),
-            "num_requests_waiting": dict(s.waiting),
-            "kv_cache_usage_perc": kv.usage,
-            "kv_num_blocks": kv.num_blocks,
-            "kv_num_free_blocks": kv.num_free,
-            "prefix_cache_queries": kv.prefix_queries,
-            "prefix_cache_hits": kv.prefix_hits,
-            "num_preemptions": s.num_preemptions,
-            "num_aborted": self.counters.aborted,
-            "num_steps": self.counters.steps,
-            "generation_tokens": self.counters.generated_tokens,
-        }
 
 
 def _draft_probs(chunk: ScheduledChunk) -> torch.Tensor | None:

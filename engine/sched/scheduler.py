@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.errors import InvalidRequest, QueueFull
+from engine.errors import InvalidRequest
 from engine.kv.cache_manager import KVCacheManager, KVCacheStats
 from engine.request import FinishReason, RequestClass
 from engine.sched.output import ScheduledChunk, SchedulerOutput
@@ -104,12 +104,12 @@ class Scheduler:
         self.running: dict[RequestClass, list[Sequence]] = {c: [] for c in _CLASSES}
         self.num_preemptions = 0
         self._seqs: dict[str, Sequence] = {}
-        self._finish_times: deque[float] = deque(maxlen=64)
 
     # -- intake and lookup ------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` at the back of its class; QueueFull past `max_waiting`."""
+        """Queue `seq` at the back of its class. Whether it may wait at all is admission's
+        decision (`engine.sched.admission`, made by the caller before this)."""
         n = seq.num_tokens
         if n == 0:
             raise InvalidRequest("prompt", "the prompt is empty")
@@ -118,8 +118,6 @@ class Scheduler:
             raise InvalidRequest("prompt", f"the prompt has {n} tokens; at most {limit} fit")
         if seq.request_id in self._seqs:
             raise InvalidRequest("request_id", f"request id {seq.request_id!r} is already in use")
-        if self.num_waiting >= self.config.max_waiting:
-            raise QueueFull(retry_after_s=self._retry_after_s())
         seq.status = SequenceStatus.WAITING
         self.waiting[seq.request_class].append(seq)
         self._seqs[seq.request_id] = seq
@@ -197,7 +195,6 @@ class Scheduler:
         now = self.clock()
         if seq.timings.finished is None:
             seq.timings.finished = now
-        self._finish_times.append(now)
         self._seqs.pop(seq.request_id, None)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -345,12 +342,3 @@ class Scheduler:
             return 0
         want = math.ceil(self.config.max_num_seqs * share)
         return max(0, want - len(self.running[RequestClass.BULK]))
-
-    def _retry_after_s(self) -> float:
-        """How long the waiting queue takes to drain at the recent finish rate, in [1, 60] s."""
-        times = self._finish_times
-        span = max(self.clock(), times[-1]) - times[0] if times else 0.0
-        if len(times) < 2 or span <= 0.0:
-            return 1.0
-        rate = (len(times) - 1) / span  # finishes per second, up to now
-        return min(60.0, max(1.0, self.num_waiting / rate))

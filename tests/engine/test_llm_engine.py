@@ -90,7 +90,7 @@ def test_prefix_cache_hit_gives_same_tokens(engine: LLMEngine) -> None:
     assert first[-1].num_cached_tokens == 0
     assert second[-1].num_cached_tokens == 64  # 4 full blocks of 16
     assert tokens(first) == tokens(second)
-    assert engine.stats()["prefix_cache_hits"] >= 64
+    assert engine.kv.stats().prefix_hits >= 64
 
 
 def test_preemption_under_kv_pressure_loses_nothing() -> None:
@@ -101,7 +101,7 @@ def test_preemption_under_kv_pressure_loses_nothing() -> None:
         cls = RequestClass.BULK if i % 2 else RequestClass.INTERACTIVE
         eng.add_request(make_request(rid, p, greedy(40), request_class=cls))
     got = {rid: tokens(d) for rid, d in run_all(eng).items()}
-    assert eng.stats()["num_preemptions"] > 0
+    assert eng.scheduler.stats().num_preemptions > 0
     solo = LLMEngine(tiny_config())
     for rid, p in prompts.items():
         solo.add_request(make_request(rid, p, greedy(40)))

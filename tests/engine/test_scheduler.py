@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.errors import InvalidRequest, QueueFull
+from engine.errors import InvalidRequest
 from engine.request import FinishReason, RequestClass
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
@@ -65,29 +65,6 @@ def test_add_rejects_bad_prompts_and_duplicates():
     small_pool = make_scheduler(num_blocks=2, max_model_len=4096)  # 32 token slots
     with pytest.raises(InvalidRequest):
         small_pool.add(make_seq("too-big-for-pool", 32))
-
-
-def test_queue_limit_raises_queue_full_with_a_retry_estimate():
-    clock = FakeClock(0.0)
-    sched = make_scheduler(max_waiting=3, max_num_seqs=5, clock=clock)
-    done = make_requests(5, 8, prefix="done")
-    for seq in done:
-        sched.add(seq)
-        run_step(sched)
-    for t, seq in enumerate(done):  # one finish per second
-        clock.now = float(t)
-        sched.finish(seq, FinishReason.STOP)
-    for seq in make_requests(3, 8, prefix="w"):
-        sched.add(seq)
-    with pytest.raises(QueueFull) as err:
-        sched.add(make_seq("over", 8))
-    assert err.value.retry_after_s == pytest.approx(3.0)  # 3 waiting at 1 finish/s
-    clock.now = 8.0  # nothing finished since: the rate estimate halves
-    with pytest.raises(QueueFull) as err:
-        sched.add(make_seq("over", 8))
-    assert err.value.retry_after_s == pytest.approx(6.0)
-    run_step(sched)  # admits the waiting ones
-    sched.add(make_seq("over", 8))
 
 
 def test_abort_frees_blocks_at_once_from_running_and_waiting():
