@@ -215,6 +215,54 @@ async def test_error_statuses_use_the_openai_schema(base_url):
         assert (await client.post("/v1/chat/completions", json=chat())).status_code == 200
 
 
+async def test_no_bad_request_takes_the_replica_down(base_url):
+    """Each request that once broke the engine or answered 500 gets a 4xx naming what is
+    wrong, and the same replica then serves a normal request."""
+    before = await replica_stats()
+    nested = b'{"model": "demo", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    surrogate = b'{"model": "demo", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        json_headers = {"content-type": "application/json"}
+        cases = [
+            ("seed", await client.post("/v1/chat/completions", json=chat(seed=2**70))),
+            ("seed", await client.post("/v1/chat/completions", json=chat(seed=2**70, stream=True))),
+            (None, await client.post("/v1/chat/completions", content=nested, headers=json_headers)),
+            (
+                "messages[0].content",
+                await client.post("/v1/chat/completions", content=surrogate, headers=json_headers),
+            ),
+            (
+                "n",
+                await client.post(
+                    "/v1/completions", json={"model": "demo", "prompt": ["a", "b", "c"], "n": 16}
+                ),
+            ),
+            ("tools", await client.post("/v1/chat/completions", json=chat(tools=[_TOOL]))),
+            (
+                "response_format",
+                await client.post(
+                    "/v1/chat/completions", json=chat(response_format={"type": "json_object"})
+                ),
+            ),
+            (
+                "logit_bias",
+                await client.post("/v1/chat/completions", json=chat(logit_bias={"5": 10})),
+            ),
+        ]
+        for param, response in cases:
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            if param is not None:
+                assert error["param"] == param, error
+        after = await client.post("/v1/chat/completions", json=chat(seed=7))
+        assert after.status_code == 200, after.text
+    assert (await replica_stats()).replica_id == before.replica_id  # no restart
+
+
+_TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
 # -- overload, disconnects, slow readers -----------------------------------------------------
 
 
