@@ -209,6 +209,34 @@ class ClusterCache:
             retry_after_s=self.retry_after_s(cls),
         )
 
+    def check_capacity(
+        self, request_class: RequestClass, count: int, in_flight: int, now: float | None = None
+    ) -> None:
+        """Refuse at once (429) when this ingress's own requests in flight, plus `count` more,
+        exceed what the live replicas can hold for `request_class` by the engine's rule: every
+        seat and waiting place (bulk: less the places kept for interactive requests).
+
+        Counts only this ingress's requests, so it never refuses what the engines could take
+        (with several ingresses each sees less than the whole); it needs no fresh report of
+        the queues, so a burst is refused before any request's tokenizing and replica hop.
+        A stale or empty view refuses nothing here (`admit` and the engines decide)."""
+        if not self.fresh(now):
+            return
+        replicas = self.replicas()
+        if not replicas:
+            return
+        bulk = request_class is RequestClass.BULK
+        capacity = sum(
+            a.max_running + a.max_waiting - (a.interactive_reserve if bulk else 0)
+            for a in (r.stats.admission for r in replicas)
+        )
+        if in_flight + count > capacity:
+            raise QueueFull(
+                f"every replica is full for {request_class.value} requests "
+                f"({in_flight} in flight, room for {capacity})",
+                retry_after_s=self.retry_after_s(request_class),
+            )
+
     def retry_after_s(self, request_class: RequestClass) -> float:
         """When a replica should have room for `request_class` by the engine's own rule: the
         soonest over the live replicas (the floor when none is known). Also the value for a

@@ -70,6 +70,7 @@ class Ingress:
             admit=self.cache.admit,
             stats=self.cache.stats,
             retry_after=self.cache.retry_after_s,
+            capacity=self.cache.check_capacity,
         )
         async with asyncio.timeout(config.ingress.info_timeout_s):
             info: ReplicaInfo = await replicas.info.remote()

@@ -70,6 +70,7 @@ class ReplicaClient:
         admit: Callable[[Request], None] | None = None,
         stats: Callable[[], EngineStats] | None = None,
         retry_after: Callable[[RequestClass], float] | None = None,
+        capacity: Callable[[RequestClass, int, int], None] | None = None,
         transport: dict[str, Any] | None = None,
         final_delta_grace_s: float = 10.0,
     ) -> None:
@@ -79,6 +80,7 @@ class ReplicaClient:
         self._admit = admit
         self._stats = stats
         self._retry_after = retry_after
+        self._capacity = capacity
         self._grace_s = final_delta_grace_s
         self._inflight: dict[str, Any] = {}  # request id → the Serve call's response
         self._owned_channel: ChannelServer | None = None  # started by `connect`
@@ -93,6 +95,7 @@ class ReplicaClient:
         admit: Callable[[Request], None] | None = None,
         stats: Callable[[], EngineStats] | None = None,
         retry_after: Callable[[RequestClass], float] | None = None,
+        capacity: Callable[[RequestClass, int, int], None] | None = None,
     ) -> ReplicaClient:
         """A client of `handle` (a ModelReplica deployment) for the calling process, built from
         `settings` (`token_path`, `channel_tcp_host`, `transport`). With the channel token
@@ -113,6 +116,7 @@ class ReplicaClient:
             admit=admit,
             stats=stats,
             retry_after=retry_after,
+            capacity=capacity,
             transport=settings.handle_options(),
         )
         client._owned_channel = channel
@@ -212,6 +216,12 @@ class ReplicaClient:
     def stats(self) -> EngineStats:
         """Replica stats summed from the ingress's cached cluster view (may be ~1 s old)."""
         return self._stats() if self._stats is not None else sum_engine_stats("", [])
+
+    def check_admission(self, request_class: RequestClass, count: int) -> None:
+        """`EngineClient.check_admission`: `capacity(request_class, count, in_flight)` with
+        this client's requests in flight (the ingress's `ClusterCache.check_capacity`)."""
+        if self._capacity is not None:
+            self._capacity(request_class, count, len(self._inflight))
 
     def _backpressure_retry_s(self, request: Request) -> float | None:
         """The Retry-After for a refusal by Serve's own queue: the engine's rule, from the

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,54 +106,58 @@ def body(max_tokens: int, tier: str | None = None) -> dict[str, Any]:
     return out
 
 
-async def one(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """Status, time to the status line, time to the first token chunk (admitted only)."""
+async def one(base: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Status, time to the status line, time to the first token chunk (admitted only).
+
+    A raw HTTP/1.1 client on asyncio streams: with hundreds of streams at once, a full HTTP
+    client's own per-chunk work on this one loop would delay the status lines it times."""
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps(payload).encode()
     start = time.perf_counter()
-    async with client.stream("POST", url, json=payload) as response:
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (host.encode(), len(body))
+            + body
+        )
+        await writer.drain()
+        status_line = await reader.readline()
         status_s = time.perf_counter() - start
-        out: dict[str, Any] = {
-            "status": response.status_code,
-            "status_s": status_s,
-            "retry_after": response.headers.get("retry-after"),
-        }
-        if response.status_code != 200:
-            await response.aread()
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+        out: dict[str, Any] = {"status": int(status_line.split()[1]), "status_s": status_s}
+        headers = dict(line.split(": ", 1) for line in head.split("\r\n") if ": " in line)
+        out["retry_after"] = headers.get("retry-after")
+        if out["status"] != 200:
+            raw = await reader.read()
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                out["message"] = json.loads(raw)["error"]["message"]
             return out
-        async for chunk in response.aiter_raw():
+        while chunk := await reader.read(65536):
             if b'"content"' in chunk and "ttft_s" not in out:
                 out["ttft_s"] = time.perf_counter() - start
-    return out
+        return out
+    finally:
+        writer.close()
 
 
 async def measure(base: str, opts: argparse.Namespace) -> dict[str, Any]:
-    url = base + "/v1/chat/completions"
-    limits = httpx.Limits(
-        max_connections=max(opts.burst, opts.bulk) + opts.interactive + 64,
-        max_keepalive_connections=64,
-    )
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        log("warm-up")
-        for _ in range(3):
-            await one(client, url, body(4))
+    log("warm-up")
+    for _ in range(3):
+        await one(base, body(4))
 
-        log(f"burst: {opts.burst} streams at once")
-        results = await asyncio.gather(
-            *(one(client, url, body(opts.tokens)) for _ in range(opts.burst))
-        )
-        refused = [r for r in results if r["status"] == 429]
-        admitted = [r for r in results if r["status"] == 200]
-        other = sorted({r["status"] for r in results} - {200, 429})
+    log(f"burst: {opts.burst} streams at once")
+    results = await asyncio.gather(*(one(base, body(opts.tokens)) for _ in range(opts.burst)))
+    refused = [r for r in results if r["status"] == 429]
+    admitted = [r for r in results if r["status"] == 200]
+    other = sorted({r["status"] for r in results} - {200, 429})
 
-        log(f"bulk flood: {opts.bulk} flex streams, then {opts.interactive} interactive")
-        bulk = [
-            asyncio.ensure_future(one(client, url, body(opts.tokens, "flex")))
-            for _ in range(opts.bulk)
-        ]
-        await asyncio.sleep(opts.settle_s)  # let the flood fill the queues
-        interactive = await asyncio.gather(
-            *(one(client, url, body(8)) for _ in range(opts.interactive))
-        )
-        bulk_results = await asyncio.gather(*bulk)
+    log(f"bulk flood: {opts.bulk} flex streams, then {opts.interactive} interactive")
+    bulk = [asyncio.ensure_future(one(base, body(opts.tokens, "flex"))) for _ in range(opts.bulk)]
+    await asyncio.sleep(opts.settle_s)  # let the flood fill the queues
+    interactive = await asyncio.gather(*(one(base, body(8)) for _ in range(opts.interactive)))
+    bulk_results = await asyncio.gather(*bulk)
 
     return {
         "refusal_p50_ms": round(1e3 * statistics.median([r["status_s"] for r in refused]), 1)
@@ -172,9 +175,22 @@ async def measure(base: str, opts: argparse.Namespace) -> dict[str, Any]:
         "admitted": len(admitted),
         "other_statuses": other,
         "retry_after_values": sorted({r["retry_after"] for r in refused if r["retry_after"]}),
+        "refusals_by_message": _by_message(refused),
         "interactive_refused_under_bulk_flood": sum(r["status"] != 200 for r in interactive),
         "bulk_refused": sum(r["status"] == 429 for r in bulk_results),
         "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def _by_message(refused: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Refusals grouped by the layer's message (digits dropped): count and p50 latency."""
+    groups: dict[str, list[float]] = {}
+    for r in refused:
+        key = "".join(c for c in r.get("message", "?") if not c.isdigit())[:60]
+        groups.setdefault(key, []).append(r["status_s"])
+    return {
+        k: {"count": len(v), "p50_ms": round(1e3 * statistics.median(v), 1)}
+        for k, v in groups.items()
     }
 
 

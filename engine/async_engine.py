@@ -25,7 +25,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncGenerator, Mapping, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineConfig
@@ -223,6 +223,12 @@ class AsyncEngine:
         self._untaken = self._untaken.plus(request.request_class, 1)
         self._submit(add=request)
 
+    def check_admission(self, request_class: RequestClass, count: int) -> None:
+        """`EngineClient.check_admission`: the admission decision for the first of `count`
+        requests behind the other `count - 1` (`attach` decides each one again)."""
+        untaken = self._untaken.plus(request_class, max(0, count - 1))
+        self.admission.check(request_class, self._waiting_with(untaken))
+
     def detach(self, request_id: str, *, abort: bool) -> None:
         """Forget the request's slot; `abort` (its reader left early) also aborts the request
         within one engine step, returning its KV blocks."""
@@ -241,7 +247,10 @@ class AsyncEngine:
         as free only while nothing waits (else something other than seats holds the queue).
         An estimate: the scheduler's queue may end up longer by at most the free seats (a
         step that cannot seat everyone, e.g. KV full) or the preemptions since that step."""
-        waiting, untaken = self._waiting, self._untaken
+        return self._waiting_with(self._untaken)
+
+    def _waiting_with(self, untaken: ClassCounts) -> ClassCounts:
+        waiting = self._waiting
         free = 0
         if waiting.total == 0:
             free = max(0, self.engine.config.scheduler.max_num_seqs - self._running.total)
@@ -266,7 +275,9 @@ class AsyncEngine:
                 prefix_cache_queries=sched.kv.prefix_queries,
                 prefix_cache_hits=sched.kv.prefix_hits,
             ),
-            admission=self.admission.stats(),
+            admission=replace(
+                self.admission.stats(), max_running=self.engine.config.scheduler.max_num_seqs
+            ),
             num_preemptions=sched.num_preemptions,
             num_aborted=counters.aborted,
             num_steps=counters.steps,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from engine.request import Request, TokenDelta
+from engine.request import Request, RequestClass, TokenDelta
 from engine.stats import EngineStats
 
 
@@ -19,6 +19,13 @@ class EngineClient(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def check_admission(self, request_class: RequestClass, count: int) -> None:
+        """Raise `QueueFull` (with the engine rule's Retry-After) at once when `count` more
+        requests of `request_class` would be refused now. A cheap local estimate made before
+        any tokenizing, so an overloaded server answers 429 without doing the work of a
+        request it cannot take; `generate` still has the engine's own decision."""
+        ...
 
     def stats(self) -> EngineStats:
         """The engine's stats now (summed over replicas where the client fronts several)."""

@@ -71,6 +71,7 @@ class AdmissionStats:
     max_waiting: int
     interactive_reserve: int
     drain_rate_per_s: float | None  # finishes per second over the recent window; None: unknown
+    max_running: int = 0  # seats (max_num_seqs): with max_waiting, what the engine can hold
 
 
 @dataclass(slots=True, frozen=True)

@@ -27,12 +27,12 @@ from pydantic import BaseModel, ValidationError
 
 from app.endpoint import Endpoints, ModelEndpoint
 from app.openai.body import check_body
-from app.openai.errors import bad_request, from_invalid, from_validation_errors
+from app.openai.errors import bad_request, from_invalid, from_validation_errors, to_api_error
 from app.openai.prompts import encode_chat, encode_text
 from app.openai.render import ChatRenderer, CompletionRenderer, Renderer
 from app.openai.schemas import ChatCompletionRequest, CompletionRequest
 from app.openai.unsupported import check_unsupported
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, QueueFull
 from engine.request import Request, RequestClass, SamplingParams
 from policies.request_class import RequestClassPolicy
 
@@ -142,6 +142,10 @@ class OpenAILayer:
                 "n" if params.n > 1 else "prompt",
             )
         request_class = self.classifier.classify(headers, body)
+        try:  # before any tokenizing: an overloaded server refuses at once
+            endpoint.client.check_admission(request_class, wanted)
+        except QueueFull as exc:
+            raise to_api_error(exc) from None
         requested = params.requested_max_tokens()
         provisional = requested if requested is not None else default_max_tokens
         base = params.sampling_params(

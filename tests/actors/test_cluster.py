@@ -27,6 +27,7 @@ def make_stats(
     max_waiting: int = 8,
     reserve: int = 2,
     drain_rate: float | None = None,
+    seats: int = 4,
 ) -> EngineStats:
     return EngineStats(
         model="demo",
@@ -39,7 +40,7 @@ def make_stats(
             prefix_cache_queries=100,
             prefix_cache_hits=40,
         ),
-        admission=AdmissionStats(max_waiting, reserve, drain_rate),
+        admission=AdmissionStats(max_waiting, reserve, drain_rate, max_running=seats),
     )
 
 
@@ -172,6 +173,26 @@ def test_cache_refuses_bulk_at_its_share_and_interactive_only_when_every_queue_i
     assert cache.retry_after_s(RequestClass.INTERACTIVE) == refused.value.retry_after_s
     cache.update(view_of(), now=4.0)
     assert cache.retry_after_s(RequestClass.BULK) == 1.0  # nothing known: the floor
+
+
+def test_capacity_refuses_a_burst_from_this_ingress_before_any_report_shows_it():
+    """Two replicas of 4 seats + 8 places (2 kept for interactive): this ingress's own
+    requests in flight are refused past what they hold, with no fresher view needed."""
+    cache = make_cache()
+    cache.update(view_of(make_report("a", drain_rate=2.0), make_report("b")), now=1.0)
+    interactive, bulk = RequestClass.INTERACTIVE, RequestClass.BULK
+    cache.check_capacity(interactive, 1, in_flight=23, now=1.0)  # 24 fit
+    with pytest.raises(QueueFull) as refused:
+        cache.check_capacity(interactive, 1, in_flight=24, now=1.0)
+    assert refused.value.retry_after_s == cache.retry_after_s(interactive)
+    cache.check_capacity(bulk, 1, in_flight=19, now=1.0)  # 24 - 2 * 2 kept for interactive
+    with pytest.raises(QueueFull):
+        cache.check_capacity(bulk, 1, in_flight=20, now=1.0)
+    with pytest.raises(QueueFull):
+        cache.check_capacity(interactive, 4, in_flight=21, now=1.0)  # n=4 at once
+    cache.check_capacity(interactive, 1, in_flight=1000, now=9.0)  # stale: engines decide
+    cache.update(view_of(), now=10.0)
+    cache.check_capacity(interactive, 1, in_flight=1000, now=10.0)  # none known: admit decides
 
 
 def test_cache_answers_unavailable_once_replicas_were_seen_and_are_gone():

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.errors import QueueFull, Unavailable
-from engine.request import FinishReason, Request, Timings, TokenDelta, TokenLogprob
+from engine.request import FinishReason, Request, RequestClass, Timings, TokenDelta, TokenLogprob
 from engine.stats import AdmissionStats, ClassCounts, EngineStats, KVStats
 
 CHAT_TEMPLATE = (
@@ -84,6 +84,9 @@ class FakeEngine:
 
     def _script_for(self, request: Request) -> Script:
         return self.script(request) if callable(self.script) else self.script
+
+    def check_admission(self, request_class: RequestClass, count: int) -> None:
+        """The fake admits everything up front; its scripts refuse in `generate`."""
 
     async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
         self.requests.append(request)

@@ -178,9 +178,15 @@ async def test_a_bulk_flood_never_gets_interactive_refused_and_refusal_needs_no_
         slots[rid] = slot
 
     try:
+        engine.check_admission(RequestClass.BULK, 5)  # 2 seats + the 3 bulk places
+        with pytest.raises(QueueFull):
+            engine.check_admission(RequestClass.BULK, 6)
         for i in range(5):  # 2 find a seat, 3 wait
             attach(f"bulk{i}", RequestClass.BULK)
         assert engine.num_waiting_by_class == ClassCounts(bulk=3)
+        with pytest.raises(QueueFull):  # the early check agrees with attach
+            engine.check_admission(RequestClass.BULK, 1)
+        engine.check_admission(RequestClass.INTERACTIVE, 1)
         with pytest.raises(QueueFull) as bulk_refused:
             attach("bulk5", RequestClass.BULK)  # the last place is interactive's
         attach("chat0", RequestClass.INTERACTIVE)
