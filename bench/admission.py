@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,22 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PROMPT = "Can I pause my annual subscription?"
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+from bench.overhead import free_port, log, percentile  # noqa: E402
 
 
 def start_serve(args: dict[str, Any], port: int, temp_dir: str) -> None:
