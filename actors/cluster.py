@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 from app.metric_snapshot import Snapshot, engine_snapshot, merge_snapshots
 from engine.errors import QueueFull, Unavailable
 from engine.request import Request, RequestClass
-from engine.sched.admission import has_room, requests_ahead, retry_after_s
+from engine.sched.admission import requests_ahead, retry_after_s
 from engine.stats import EngineStats, sum_engine_stats
 
 R = TypeVar("R")
@@ -147,12 +147,6 @@ class ClusterState:
         return ClusterSnapshot(view=view, metrics=self.metrics_except(report.ingress_id))
 
 
-def _has_room(replica: ReplicaView, request_class: RequestClass) -> bool:
-    stats = replica.stats
-    bounds = stats.admission
-    return has_room(request_class, stats.waiting, bounds.max_waiting, bounds.interactive_reserve)
-
-
 def _now(now: float | None) -> float:
     return time.monotonic() if now is None else now
 
@@ -185,29 +179,16 @@ class ClusterCache:
         return self.snapshot.view.for_model(self.model)
 
     def admit(self, request: Request, now: float | None = None) -> None:
-        """Refuse early (no hop) from a fresh view: 503 when no replica of the model is live;
-        429 when no live replica has room for the request's class by the engine's own rule
-        (`engine.sched.admission`) applied to its reported queue, with the Retry-After of the
-        replica that drains soonest by that same rule.
+        """Refuse early (503, no hop) from a fresh view when no replica of the model is live.
 
-        So bulk is refused here once every replica's bulk room is taken, while interactive
-        requests go through as long as any replica reported interactive room. The view is up
-        to a sync period old; a replica that has room again answers for itself one hop away,
-        and a stale cache refuses nothing (the engines decide)."""
+        Full queues are not refused from the view: its queue lengths are up to a sync period
+        old, and a queue that has drained since would turn requests away for nothing (a
+        burst's last refusals would outlive it). Requests this ingress has in flight are known
+        without delay (`check_capacity`), and each engine decides for itself, one hop away."""
         if not self.fresh(now):
             return
-        replicas = self.replicas()
-        if not replicas:
-            if self.seen_replica:
-                raise Unavailable(f"no replica of {self.model!r} is running")
-            return
-        cls = request.request_class
-        if any(_has_room(r, cls) for r in replicas):
-            return
-        raise QueueFull(
-            f"every replica's waiting queue is full for {cls.value} requests",
-            retry_after_s=self.retry_after_s(cls),
-        )
+        if not self.replicas() and self.seen_replica:
+            raise Unavailable(f"no replica of {self.model!r} is running")
 
     def check_capacity(
         self, request_class: RequestClass, count: int, in_flight: int, now: float | None = None
