@@ -53,7 +53,7 @@ def test_the_longest_match_wins():
     # an unrelated prompt matches nothing and goes by load
     other = req("y", [5] * 40, head=[])
     assert policy.match(other, live) == (None, 0)
-    assert first(policy.rank(other, views(a=3, b=1))) == ["b", "a"]
+    assert first(policy.rank(other, views(a=3, b=1))) == ["b"]
 
 
 def test_affinity_yields_to_a_much_shorter_queue():
@@ -79,10 +79,28 @@ def test_gone_replicas_are_forgotten_and_the_index_is_bounded():
 
 def test_prompts_shorter_than_a_block_and_unknown_requests_go_by_load():
     policy = PrefixAffinity(seed=0)
-    assert first(policy.rank(req("s", [], head=[1, 2, 3]), views(a=2, b=0))) == ["b", "a"]
+    assert first(policy.rank(req("s", [], head=[1, 2, 3]), views(a=2, b=0))) == ["b"]
     assert first(policy.rank(None, views(a=2, b=0, c=1))) == ["b", "c"]
     policy.routed(None, "a")  # nothing to learn
     assert policy.rank(req("z", [1]), []) == []
+
+
+def test_new_prefixes_spread_evenly_over_equally_loaded_replicas():
+    """Each new prefix goes to the replica holding the fewest blocks, so 12 prefixes split
+    6/6 over two pools (by chance they would split 8/4 or worse a third of the time)."""
+    policy = PrefixAffinity(seed=0)
+    replicas = views(a=0, b=0)
+    placed: dict[str, int] = {"a": 0, "b": 0}
+    for p in range(12):
+        prompt = req(f"p{p}", [1], head=[1000 * p + t for t in range(48)])
+        chosen = first(policy.rank(prompt, replicas))[0]
+        policy.routed(prompt, chosen)
+        placed[chosen] += 1
+    assert placed == {"a": 6, "b": 6}
+    # a shorter queue still wins over an emptier cache
+    prompt = req("busy", [1], head=[99_000 + t for t in range(48)])
+    assert first(policy.rank(prompt, views(a=0, b=3))) == ["a"]
+    assert first(policy.rank(prompt, views(a=3, b=0))) == ["b"]
 
 
 def test_least_loaded_offers_the_two_shortest_queues_first():
