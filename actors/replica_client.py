@@ -169,9 +169,11 @@ class ReplicaClient:
                     response.cancel()
 
     def _call_done(self, inbox: TokenInbox, rid: str, call: asyncio.Future[Any]) -> None:
-        if call.cancelled() or inbox.closed:
+        if call.cancelled():
             return
-        error = call.exception()
+        error = call.exception()  # retrieved even when no reader is left (else asyncio logs it)
+        if inbox.closed:
+            return
         if error is not None:
             inbox.fail(error)
         elif isinstance(result := call.result(), ReplicaError):

@@ -302,6 +302,43 @@ async def test_channel_closing_early_cancels_the_replica_call(channel):
     assert server._inboxes == {}
 
 
+class FailingOnCancel(ChannelCall):
+    """As Serve's response does: a cancelled call ends with an exception (Serve raises
+    `RequestCancelledError`), not as a cancelled future."""
+
+    async def _run(self):
+        try:
+            return await super()._run()
+        except asyncio.CancelledError:
+            raise RuntimeError("request cancelled") from None
+
+
+async def test_a_call_failing_after_its_reader_left_is_not_an_unretrieved_error(channel):
+    """A client cancel must not leave asyncio's "Task exception was never retrieved"
+    traceback in the ingress log."""
+    import gc
+
+    server, pool = channel
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        handle = ChannelHandle(lambda a: FailingOnCancel(pool, a, [delta(1)], hang=True))
+        client = ReplicaClient(handle, channel=server)
+        stream = client.generate(REQUEST)
+        assert (await anext(stream)).text == "t1"
+        await stream.aclose()
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert handle.calls[0].cancelled
+    assert unretrieved == []
+
+
 # -- ReplicaClient.connect: a client any deployment can build ----------------------------------
 
 
