@@ -40,40 +40,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PROMPT = "Can I pause my annual subscription?"
 
-from bench.overhead import free_port, log, percentile  # noqa: E402
+from bench.overhead import free_port, log, percentile, start_ray_serve, stop_serve  # noqa: E402
 
 
 def start_serve(args: dict[str, Any], port: int, temp_dir: str) -> None:
-    import ray
     from ray import serve
 
     from actors.builder import application, load_config
 
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    os.environ["PYTHONPATH"] = str(ROOT)
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(
-        address="local",
-        namespace="firstlight-bench-admission",
-        num_cpus=max(2, os.cpu_count() or 2),
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=temp_dir,
-    )
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": port},
-        controller_options=config.get("controller_options"),
-    )
+    start_ray_serve("firstlight-bench-admission", port, config.get("controller_options"), temp_dir)
     serve.run(application(load_config(args)), name="firstlight", route_prefix="/")
-
-
-def stop_serve() -> None:
-    import ray
-    from ray import serve
-
-    with contextlib.suppress(Exception):
-        serve.shutdown()
-    ray.shutdown()
 
 
 def body(max_tokens: int, tier: str | None = None) -> dict[str, Any]:

@@ -108,7 +108,6 @@ def start_bare(args: dict[str, Any], threads: str) -> tuple[subprocess.Popen, st
 
 
 def start_serve(args: dict[str, Any], port: int, controller: dict | None, temp_dir: str) -> None:
-    import ray
     from fastapi import FastAPI
     from ray import serve
     from starlette.responses import StreamingResponse
@@ -139,21 +138,29 @@ def start_serve(args: dict[str, Any], port: int, controller: dict | None, temp_d
 
             return app
 
+    start_ray_serve("firstlight-bench-overhead", port, controller, temp_dir)
+    serve.run(application(config), name="firstlight", route_prefix="/")
+    serve.run(FloorIngress.bind(FloorLeaf.bind()), name="floor", route_prefix="/floor")
+
+
+def start_ray_serve(namespace: str, port: int, controller: dict | None, temp_dir: str) -> None:
+    """A private Ray on this machine with Serve's HTTP proxy on 127.0.0.1:`port`."""
+    import ray
+    from ray import serve
+
     os.environ["PYTHONPATH"] = str(ROOT)  # replicas import actors/, app/, engine/
     # Ray starts workers at nice 15 by default; the bare server runs at 0. Serving processes
     # should not yield to every other process on the box (`make serve` does the same).
     os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(
         address="local",
-        namespace="firstlight-bench-overhead",
+        namespace=namespace,
         num_cpus=max(2, os.cpu_count() or 2),
         include_dashboard=False,
         log_to_driver=False,
         _temp_dir=temp_dir,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller)
-    serve.run(application(config), name="firstlight", route_prefix="/")
-    serve.run(FloorIngress.bind(FloorLeaf.bind()), name="floor", route_prefix="/floor")
 
 
 def stop_serve() -> None:

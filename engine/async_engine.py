@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequest, QueueFull
+from engine.errors import InvalidRequest
 from engine.llm_engine import LLMEngine
 from engine.models.resolve import ModelResolver, local_model_dir
 from engine.request import Request, RequestClass, TokenDelta, merge_deltas
@@ -337,7 +337,7 @@ class AsyncEngine:
             taken = taken.plus(request.request_class, 1)
             try:
                 self.engine.add_request(request)
-            except (InvalidRequest, QueueFull) as exc:
+            except InvalidRequest as exc:  # admission already decided: only validity is left
                 rejected.append((request.request_id, exc))
         steps = self.engine.counters.steps
         deltas = self.engine.step()

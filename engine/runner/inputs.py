@@ -3,21 +3,7 @@
 `StepBuffers` is allocated once per runner, sized by the scheduler's limits, and each step
 `fill` writes `StepInputs` (plain lists, built by `ModelRunner.pack`) into it and
 returns views plus the step's `AttentionMetadata`. Nothing is allocated per step apart from
-the views themselves; this is also what CUDA graphs need (static input addresses), and what
-the runner wires up as:
-
-    # ModelRunner.__init__
-    self.buffers = StepBuffers(
-        max_num_tokens=config.scheduler.max_num_batched_tokens,
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-        block_size=self.block_size,
-        device=self.device,
-    )
-    # ModelRunner._run, replacing the torch.tensor(...) calls
-    t = self.buffers.fill(step)
-    hidden = self.model(t.input_ids, t.positions, self.kv_caches, t.meta)
-    ... hidden.index_select(0, t.sample_rows) when fewer rows sample than were computed
+the views themselves; this is also what CUDA graphs need (static input addresses).
 
 The lists are written through numpy views of the host buffers: numpy converts a list of
 Python ints straight into the buffer, 3-4x cheaper than `torch.tensor(list)` (which builds a
