@@ -72,11 +72,15 @@ def encode_delta(delta: TokenDelta) -> tuple[Any, ...]:
         delta.num_cached_tokens,
         None if t is None else (t.arrival, t.first_scheduled, t.first_token, t.finished),
         delta.error,
+        delta.num_draft_tokens,
+        delta.num_accepted_tokens,
     )
 
 
 def decode_delta(item: tuple[Any, ...]) -> TokenDelta:
-    rid, ids, text, finish, logprobs, n_prompt, n_out, n_cached, timings, error = item
+    rid, ids, text, finish, logprobs, n_prompt, n_out, n_cached, timings, error, n_draft, n_ok = (
+        item
+    )
     return TokenDelta(
         request_id=rid,
         token_ids=ids,
@@ -90,6 +94,8 @@ def decode_delta(item: tuple[Any, ...]) -> TokenDelta:
         num_cached_tokens=n_cached,
         timings=None if timings is None else Timings(*timings),
         error=error,
+        num_draft_tokens=n_draft,
+        num_accepted_tokens=n_ok,
     )
 
 

@@ -13,8 +13,8 @@ usage of each replica) needs a label that tells the processes apart (e.g. `repli
 
 `engine_snapshot` turns one engine's typed `EngineStats` into a snapshot: each family below
 reads one field, so a renamed field fails the type check instead of rendering 0. Families
-exist only for what an engine produces (no speculative-decoding families until a proposer
-counts drafts).
+exist only for what an engine produces: the `spec_decode_*` families (vLLM's names) only for
+an engine that speculates.
 """
 
 from __future__ import annotations
@@ -166,4 +166,35 @@ def engine_snapshot(stats: EngineStats, labels: Mapping[str, str]) -> Snapshot:
             "counter", "Streams cut because the reader stalled.", stats.num_reader_stalls
         ),
     }
+    spec = stats.spec
+    if spec is not None:
+        per_pos = [([*values, str(j)], float(n)) for j, n in enumerate(spec.accepted_per_pos)]
+        families |= {
+            "spec_decode_num_drafts": one(
+                "counter", "Sequence-steps that carried speculative drafts.", spec.num_drafts
+            ),
+            "spec_decode_num_draft_tokens": one(
+                "counter", "Speculative draft tokens verified.", spec.num_draft_tokens
+            ),
+            "spec_decode_num_accepted_tokens": one(
+                "counter", "Speculative draft tokens accepted.", spec.num_accepted_tokens
+            ),
+            "spec_decode_num_accepted_tokens_per_pos": _family(
+                "counter",
+                "Draft tokens accepted at each position of a run.",
+                [*names, "position"],
+                per_pos,
+            ),
+            "spec_decode_propose_seconds": one(
+                "counter", "Wall time spent proposing drafts.", spec.propose_seconds
+            ),
+            "spec_decode_verify_seconds": one(
+                "counter", "Wall time of steps that verified drafts.", spec.verify_seconds
+            ),
+            "spec_decode_proposer_up": one(
+                "gauge",
+                "Engines whose proposer answers (0: decoding without drafts).",
+                spec.proposer_up,
+            ),
+        }
     return {PREFIX + name: family for name, family in families.items()}

@@ -34,6 +34,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.resolve import ModelResolver, local_model_dir
 from engine.request import Request, RequestClass, TokenDelta, merge_deltas
 from engine.sched.admission import Admission
+from engine.spec.proposer import Proposer
 from engine.stats import ClassCounts, EngineStats, KVStats
 
 
@@ -137,9 +138,12 @@ class AsyncEngine:
         config: EngineConfig,
         *,
         resolve_model: ModelResolver = local_model_dir,
+        proposer: Proposer | None = None,
         **kwargs: Any,
     ) -> AsyncEngine:
-        return cls(LLMEngine(config, resolve_model=resolve_model), **kwargs)
+        """`proposer` replaces the one `config.speculative` would build (e.g. a client of a
+        DraftReplica)."""
+        return cls(LLMEngine(config, resolve_model=resolve_model, proposer=proposer), **kwargs)
 
     # -- what the HTTP layer reads -----------------------------------------------------------
 
@@ -284,6 +288,7 @@ class AsyncEngine:
             generation_tokens=counters.generated_tokens,
             num_cancelled=self.num_cancelled,
             num_reader_stalls=self.num_stalled,
+            spec=self.engine.spec_stats(),
         )
 
     # -- the engine thread -------------------------------------------------------------------

@@ -44,6 +44,26 @@ class SchedulerConfig:
     interactive_reserve: int | None = field(default=None, metadata={"ge": 0})
 
 
+SpecMethod = Literal["off", "prompt_lookup", "draft_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec/). `method`: "off"; "prompt_lookup" (n-gram matches
+    in the sequence's own tokens, no model); "draft_model" (`draft_model` in this process,
+    with its own KV pool of `draft_kv_cache_bytes`; under Serve a `DraftReplica` can serve
+    the drafts instead, see actors/settings.py). `policy` names the speculation-length policy
+    (policies/speculation.py) that picks 0..`max_num_tokens` drafts per sequence and step."""
+
+    method: SpecMethod = "off"
+    draft_model: str = "demo-draft"
+    max_num_tokens: int = field(default=8, metadata={"ge": 1, "le": 8})
+    policy: str = "adaptive"
+    draft_kv_cache_bytes: int = field(default=32 * 1024 * 1024, metadata={"ge": 1024 * 1024})
+    prompt_lookup_min_ngram: int = field(default=1, metadata={"ge": 1})
+    prompt_lookup_max_ngram: int = field(default=3, metadata={"ge": 1})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """`stall_timeout_s`: a request whose output sits unread this long is aborted (read by
@@ -59,3 +79,4 @@ class EngineConfig:
     stall_timeout_s: float = field(default=30.0, metadata={"gt": 0})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

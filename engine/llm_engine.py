@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,7 +34,15 @@ from engine.sample.sampler import Sampler, SampleResult
 from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec.proposer import NoopProposer, Proposer
+from engine.spec.policy import (
+    MAX_SPEC_TOKENS,
+    DraftObservation,
+    SpeculationPolicy,
+    StepObservation,
+    Verified,
+)
+from engine.spec.proposer import Draft, NoopProposer, Proposer
+from engine.stats import SpecStats
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,8 +54,13 @@ class EngineCounters:
     generated_tokens: int = 0
     aborted: int = 0
     failed: int = 0  # requests ended with finish reason "error"
+    num_drafts: int = 0  # sequence-steps that carried drafts
     draft_tokens: int = 0  # drafts verified
     accepted_tokens: int = 0  # of those, kept by verification (before any stop cuts the run)
+    # accepted_per_pos[j]: drafts accepted at position j (the j+1-th draft of a run)
+    accepted_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_SPEC_TOKENS)
+    propose_seconds: float = 0.0  # wall time in the proposer
+    verify_seconds: float = 0.0  # wall time of steps that verified drafts
 
 
 @dataclass(slots=True)
@@ -70,6 +83,7 @@ class LLMEngine:
         *,
         resolve_model: ModelResolver = local_model_dir,
         proposer: Proposer | None = None,
+        spec_policy: SpeculationPolicy | None = None,
     ):
         self.config = config
         self.model_path = resolve_model(config.model)
@@ -92,7 +106,20 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler(info.vocab_size, self.eos_token_ids, seed=config.seed)
-        self.proposer: Proposer = proposer if proposer is not None else NoopProposer()
+        # Speculation: the proposer and policy `config.speculative` names, unless given. A
+        # proposer given without a policy gets the `fixed` one (its drafts, up to the max).
+        from engine.spec.build import build_policy, build_proposer
+
+        spec = config.speculative
+        if proposer is None:
+            proposer = build_proposer(config, resolve_model, info.vocab_size)
+        elif spec_policy is None:
+            spec = replace(spec, policy="fixed")
+        self.proposer: Proposer = proposer
+        self.speculating = not isinstance(proposer, NoopProposer)
+        if spec_policy is None and self.speculating:
+            spec_policy = build_policy(spec)
+        self.spec_policy = spec_policy
         self.counters = EngineCounters()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # only requests that carry one
@@ -144,6 +171,7 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
+        started = time.perf_counter()
         expired = self._expire_deadlines() if self._deadlines else []
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -152,13 +180,14 @@ class LLMEngine:
         if logits is None:
             return expired + self._fail_step(out)
         chunks = [c for c in out.chunks if c.samples]
-        news = [
-            self._append(c, r) for c, r in zip(chunks, self._sample(logits, chunks), strict=True)
-        ]
+        results = self._sample(logits, chunks)
+        news = [self._append(c, r) for c, r in zip(chunks, results, strict=True)]
         self.scheduler.update(out, self._num_accepted(chunks, news))
         self.counters.steps += 1
         deltas = [self._emit(n) for n in news]
-        self._propose([n.seq for n in news if n.seq.status is SequenceStatus.RUNNING])
+        if self.speculating:
+            self._observe(out, chunks, results, time.perf_counter() - started)
+            self._propose([n.seq for n in news if n.seq.status is SequenceStatus.RUNNING])
         return expired + deltas if expired else deltas
 
     def _expire_deadlines(self) -> list[TokenDelta]:
@@ -242,8 +271,7 @@ class LLMEngine:
         seq.token_ids.extend(tokens)
         self.counters.generated_tokens += len(tokens)
         if chunk.spec_token_ids:
-            self.counters.draft_tokens += len(chunk.spec_token_ids)
-            self.counters.accepted_tokens += result.num_accepted
+            self._count_drafts(seq, len(chunk.spec_token_ids), result.num_accepted)
         if seq.timings.first_token is None:
             seq.timings.first_token = time.monotonic()
         logprobs = result.logprobs
@@ -289,35 +317,89 @@ class LLMEngine:
             self._forget(new.seq.request_id)
         return new
 
+    def _count_drafts(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        c = self.counters
+        c.num_drafts += 1
+        c.draft_tokens += proposed
+        c.accepted_tokens += accepted
+        for j in range(min(accepted, MAX_SPEC_TOKENS)):
+            c.accepted_per_pos[j] += 1
+        seq.num_draft_tokens += proposed
+        seq.num_accepted_tokens += accepted
+
+    def _observe(
+        self,
+        out: SchedulerOutput,
+        chunks: list[ScheduledChunk],
+        results: list[SampleResult | str],
+        seconds: float,
+    ) -> None:
+        """Tell the speculation policy what this step cost and what verification kept."""
+        verified = [
+            Verified(c.seq.request_id, len(c.spec_token_ids), r.num_accepted)
+            for c, r in zip(chunks, results, strict=True)
+            if c.spec_token_ids and not isinstance(r, str)
+        ]
+        if verified:
+            self.counters.verify_seconds += seconds
+        assert self.spec_policy is not None
+        self.spec_policy.observe_step(
+            StepObservation(len(chunks), out.num_batched_tokens, seconds, verified)
+        )
+
     def _propose(self, seqs: list[Sequence]) -> None:
-        """Replace the drafts of `seqs` (about to decode) with the proposer's. A proposer that
-        fails, or a draft outside the vocabulary, costs speculation only."""
-        try:
-            drafts = self.proposer.propose(seqs)
-        except Exception:
-            logger.exception("the proposer failed; decoding without drafts this step")
-            drafts = {}
+        """Replace the drafts of `seqs` (about to decode) with the proposer's, as many as the
+        speculation policy asks. A proposer that fails, or a draft outside the vocabulary,
+        costs speculation only."""
         for seq in seqs:
             if seq.spec_token_ids:
                 seq.spec_token_ids, seq.spec_probs = [], None
+        if not seqs:
+            return
+        assert self.spec_policy is not None
+        wanted = self.spec_policy.num_tokens(seqs)
+        asked = [s for s in seqs if wanted.get(s.request_id, 0) > 0]
+        if not asked:
+            return
+        started = time.perf_counter()
+        try:
+            drafts = self.proposer.propose(asked, wanted)
+        except Exception:
+            logger.exception("the proposer failed; decoding without drafts this step")
+            drafts = {}
+        seconds = time.perf_counter() - started
+        self.counters.propose_seconds += seconds
+        self.spec_policy.observe_draft(
+            DraftObservation(len(asked), max(wanted[s.request_id] for s in asked), seconds)
+        )
         vocab = self.runner.info.vocab_size
         for request_id, draft in drafts.items():
             target = self.scheduler.get(request_id)
             if target is None or target.status is not SequenceStatus.RUNNING:
                 continue
-            if not all(0 <= t < vocab for t in draft.token_ids):
+            k = wanted.get(request_id, 0)
+            if len(draft.token_ids) > k:
+                draft = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+            if not draft.token_ids or not all(0 <= t < vocab for t in draft.token_ids):
                 continue
             if draft.probs is not None and tuple(draft.probs.shape) != (
                 len(draft.token_ids),
                 vocab,
             ):
                 continue
-            seq.spec_token_ids, seq.spec_probs = list(draft.token_ids), draft.probs
+            target.spec_token_ids, target.spec_probs = list(draft.token_ids), draft.probs
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
         self._deadlines.pop(request_id, None)
         self.sampler.forget(request_id)
+        if self.speculating:
+            assert self.spec_policy is not None
+            self.spec_policy.forget(request_id)
+            try:
+                self.proposer.forget(request_id)
+            except Exception:
+                logger.exception("the proposer failed to forget %s", request_id)
 
     @staticmethod
     def _delta(
@@ -337,9 +419,26 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             timings=seq.timings,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
         )
 
     # -- observability ----------------------------------------------------------------------
+
+    def spec_stats(self) -> SpecStats | None:
+        """Speculative decoding counters; None when the engine does not speculate."""
+        if not self.speculating:
+            return None
+        c = self.counters
+        return SpecStats(
+            num_drafts=c.num_drafts,
+            num_draft_tokens=c.draft_tokens,
+            num_accepted_tokens=c.accepted_tokens,
+            accepted_per_pos=tuple(c.accepted_per_pos),
+            propose_seconds=c.propose_seconds,
+            verify_seconds=c.verify_seconds,
+            proposer_up=int(getattr(self.proposer, "available", True)),
+        )
 
 
 def _draft_probs(chunk: ScheduledChunk) -> torch.Tensor | None:

@@ -210,6 +210,8 @@ class TokenDelta:
     num_cached_tokens: int = 0
     timings: Timings | None = None
     error: str | None = None
+    num_draft_tokens: int = 0  # speculative drafts verified so far (totals, like the counters)
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def finished(self) -> bool:
@@ -237,4 +239,6 @@ def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
         num_cached_tokens=last.num_cached_tokens,
         timings=last.timings,
         error=next((d.error for d in reversed(deltas) if d.error), None),
+        num_draft_tokens=last.num_draft_tokens,
+        num_accepted_tokens=last.num_accepted_tokens,
     )

@@ -40,6 +40,8 @@ class Sequence:
     # they were drawn from (None: point masses). Replaced by the engine after every step.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
+    num_draft_tokens: int = 0  # drafts verified for this request, in all steps
+    num_accepted_tokens: int = 0  # of those, accepted by the target
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:

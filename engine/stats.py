@@ -3,9 +3,8 @@
 Plain frozen dataclasses (picklable, cheap to ship every ~0.5 s): a renamed field fails a type
 check or a test instead of silently reading 0 the way a string-keyed dict did.
 
-Speculative decoding stats (drafts, accepted tokens per position) are not declared: nothing
-produces them yet. They get a dataclass here (and metric families in
-`app/metric_snapshot.py`) together with the proposer that counts them.
+`EngineStats.spec` is None for an engine that does not speculate (no spec-decode families
+are rendered for it).
 """
 
 from __future__ import annotations
@@ -75,6 +74,33 @@ class AdmissionStats:
 
 
 @dataclass(slots=True, frozen=True)
+class SpecStats:
+    """Speculative decoding, cumulative (vLLM's `spec_decode_*` counters, plus timings)."""
+
+    num_drafts: int = 0  # sequence-steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()  # [j]: drafts accepted at position j
+    propose_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    proposer_up: int = 1  # engines whose proposer is reachable (a DraftReplica may be down)
+
+    def __add__(self, other: SpecStats) -> SpecStats:
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        a = self.accepted_per_pos + (0,) * (width - len(self.accepted_per_pos))
+        b = other.accepted_per_pos + (0,) * (width - len(other.accepted_per_pos))
+        return SpecStats(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            tuple(x + y for x, y in zip(a, b, strict=True)),
+            self.propose_seconds + other.propose_seconds,
+            self.verify_seconds + other.verify_seconds,
+            self.proposer_up + other.proposer_up,
+        )
+
+
+@dataclass(slots=True, frozen=True)
 class EngineStats:
     """One engine at one moment. Counters (`num_*` past events, `generation_tokens`) are
     cumulative since the engine started; the rest are gauges."""
@@ -90,6 +116,7 @@ class EngineStats:
     generation_tokens: int = 0
     num_cancelled: int = 0  # readers that left before the end
     num_reader_stalls: int = 0  # streams cut because their reader stalled
+    spec: SpecStats | None = None  # None: the engine does not speculate
 
 
 def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
@@ -98,6 +125,7 @@ def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
     parts = list(parts)
     blocks = sum(p.kv.num_blocks for p in parts)
     rates = [p.admission.drain_rate_per_s for p in parts if p.admission.drain_rate_per_s]
+    specs = [p.spec for p in parts if p.spec is not None]
     return EngineStats(
         model=model,
         running=sum((p.running for p in parts), ClassCounts()),
@@ -120,4 +148,5 @@ def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
         generation_tokens=sum(p.generation_tokens for p in parts),
         num_cancelled=sum(p.num_cancelled for p in parts),
         num_reader_stalls=sum(p.num_reader_stalls for p in parts),
+        spec=sum(specs[1:], specs[0]) if specs else None,
     )

@@ -1,10 +1,15 @@
-"""CPU paged attention: a small C++ kernel for decode rows, the torch reference for the rest.
+"""CPU paged attention: a small C++ kernel for decode and short queries, the torch reference for
+the rest.
 
 Decode dominates serving, and on CPU the torch reference spends most of a decode step copying
 K/V: it gathers every sequence's blocks into a padded tensor, then the batched matmuls copy
 the strided views again. `csrc/cpu_paged_decode.cpp` reads K/V in place from the paged cache
 (no gather, no padding), parallel over (sequence, kv head), sharing each K/V read across the
-GQA group. Multi-token queries (prefill chunks) keep the reference's SDPA path.
+GQA group. A short multi-token query (up to `SHORT_QUERY` tokens: a decode with speculative
+drafts to verify, a prefill tail) runs through the same kernel as one decode row per query
+token, each seeing the keys up to its own position (causal by construction), so verifying `k`
+drafts costs about `k + 1` decode rows instead of an SDPA call over gathered, padded K/V.
+Longer queries (prefill chunks) keep the reference's SDPA path.
 
 The kernel is compiled on first use with the machine's C++ compiler (torch's cpp_extension,
 `-O3 -march=native`) into `$FIRSTLIGHT_HOME/torch_extensions`, keyed by the source, the CPU
@@ -25,12 +30,14 @@ from types import ModuleType
 import torch
 
 from kernels.interface import AttentionMetadata
-from kernels.reference import AttentionGroup, ReferenceState, TorchReferenceBackend
+from kernels.reference import AttentionGroup, Plan, ReferenceState, TorchReferenceBackend
 from kernels.registry import register_backend
 
 log = logging.getLogger("firstlight.kernels")
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_decode.cpp"
+SHORT_QUERY = 16  # query lengths up to this run as decode rows through the kernel
+_NO_BLOCKS = torch.empty(0, dtype=torch.int64)  # a kernel group's plan gathers nothing
 
 
 def _cpu_flags() -> str:
@@ -81,18 +88,53 @@ def load_extension() -> ModuleType | None:
 
 @dataclass(slots=True)
 class DecodeKernelArgs:
-    """The decode group's metadata as the C++ kernel takes it, converted once per step."""
+    """A group's metadata as the C++ kernel takes it, one row per query token, converted once
+    per step."""
 
-    block_table: torch.Tensor  # [B, max_blocks] int32, contiguous
-    seq_lens_k: torch.Tensor  # [B] int32
-    rows: torch.Tensor  # [B] int64: packed query row of each sequence
+    block_table: torch.Tensor  # [R, max_blocks] int32, contiguous: the row's sequence's table
+    seq_lens_k: torch.Tensor  # [R] int32: keys the row sees (its position + 1)
+    rows: torch.Tensor  # [R] int64: the row's index among the group's packed query rows
+
+
+def kernel_args(g: AttentionGroup, num_rows: int) -> DecodeKernelArgs:
+    """Kernel arguments for a group of queries of at most `SHORT_QUERY` tokens."""
+    plan = g.plan
+    lens_q = None
+    if plan.max_q > 1:
+        if plan.q_index is None:  # every sequence has max_q queries
+            lens_q = torch.full((plan.num_seqs,), plan.max_q, dtype=torch.int64)
+        else:
+            lens_q = torch.bincount(plan.q_index // plan.max_q, minlength=plan.num_seqs)
+    return _rows_args(g.block_table, g.seq_lens_k, lens_q, num_rows)
+
+
+def _rows_args(
+    table: torch.Tensor, lens_k: torch.Tensor, lens_q: torch.Tensor | None, num_rows: int
+) -> DecodeKernelArgs:
+    """Query token `r` of a sequence with `n` queries and `L` keys becomes a kernel row that
+    sees `L - n + 1 + r` keys (`lens_q` None: one query per sequence)."""
+    if lens_q is not None:
+        device = lens_k.device
+        lens_q = lens_q.to(device=device, dtype=torch.int64)
+        seq_of_row = torch.repeat_interleave(
+            torch.arange(lens_q.shape[0], device=device), lens_q, output_size=num_rows
+        )
+        first_row = (lens_q.cumsum(0) - lens_q)[seq_of_row]
+        r = torch.arange(num_rows, device=device) - first_row
+        table = table.index_select(0, seq_of_row)
+        lens_k = lens_k.long()[seq_of_row] - (lens_q[seq_of_row] - 1 - r)
+    return DecodeKernelArgs(
+        table.to(torch.int32).contiguous(),
+        lens_k.to(torch.int32).contiguous(),
+        torch.arange(num_rows, dtype=torch.int64),
+    )
 
 
 @dataclass(slots=True)
 class CpuPagedState(ReferenceState):
-    """The reference plan plus the decode group's kernel arguments (None: no decode group)."""
+    """The reference plans plus, per group, the kernel's arguments (None: SDPA's group)."""
 
-    decode: DecodeKernelArgs | None
+    kernel: list[DecodeKernelArgs | None]
 
 
 @register_backend(priority=10)
@@ -116,17 +158,29 @@ class CpuPagedBackend(TorchReferenceBackend):
         return ext if isinstance(ext, str) else None
 
     def build_state(self, meta: AttentionMetadata) -> CpuPagedState:
+        if meta.max_seqlen_q <= SHORT_QUERY and load_extension() is not None:
+            # Every query is short (decode steps, verification): one kernel group for the
+            # whole step, and no reference plan (its gather indices and masks go unused).
+            num_rows = meta.num_tokens
+            lens_q = None
+            if meta.max_seqlen_q > 1:
+                cu = meta.cu_seqlens_q
+                lens_q = cu[1:] - cu[:-1]
+            plan = Plan(
+                meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k, _NO_BLOCKS, None, None, False
+            )
+            group = AttentionGroup(plan, None, meta.seq_lens_k, meta.block_table)
+            args = _rows_args(meta.block_table, meta.seq_lens_k, lens_q, num_rows)
+            return CpuPagedState([group], [args])
         groups = super().build_state(meta).groups
-        decode = None
+        kernel: list[DecodeKernelArgs | None] = []
         for g in groups:
-            if g.plan.max_q == 1:  # at most one group: every decode row of the step
-                num_rows = meta.num_tokens if g.tokens is None else int(g.tokens.shape[0])
-                decode = DecodeKernelArgs(
-                    g.block_table.to(torch.int32).contiguous(),
-                    g.seq_lens_k.to(torch.int32).contiguous(),
-                    torch.arange(num_rows, dtype=torch.int64),
-                )
-        return CpuPagedState(groups, decode)
+            if g.plan.max_q > SHORT_QUERY:
+                kernel.append(None)
+                continue
+            num_rows = meta.num_tokens if g.tokens is None else int(g.tokens.shape[0])
+            kernel.append(kernel_args(g, num_rows))
+        return CpuPagedState(groups, kernel)
 
     def _attend(
         self,
@@ -138,8 +192,12 @@ class CpuPagedBackend(TorchReferenceBackend):
         scale: float,
     ) -> torch.Tensor:
         ext = load_extension()
-        args = state.decode if isinstance(state, CpuPagedState) else None
-        if g.plan.max_q != 1 or ext is None or args is None:
+        args = None
+        if isinstance(state, CpuPagedState):
+            args = next(
+                (a for grp, a in zip(state.groups, state.kernel, strict=True) if grp is g), None
+            )
+        if ext is None or args is None:
             return super()._attend(g, q, k_cache, v_cache, state, scale)
         q = q.contiguous()
         out = torch.empty_like(q)

@@ -29,7 +29,7 @@ from kernels.registry import register_backend
 
 
 @dataclass(slots=True)
-class _Plan:
+class Plan:
     """Per-step layout shared by every layer."""
 
     num_seqs: int
@@ -49,7 +49,7 @@ def _build_plan(
     max_k: int,
     block_size: int,
     num_tokens: int,
-) -> _Plan:
+) -> Plan:
     device = seq_lens_k.device
     num_seqs = int(seq_lens_k.shape[0])
     j = torch.arange(max_k, device=device)
@@ -64,7 +64,7 @@ def _build_plan(
             r = torch.arange(max_q, device=device)
             attend = (j[None, :] <= r[:, None] + (max_k - max_q)).view(1, 1, max_q, max_k)
         causal = 1 < max_q == max_k
-        return _Plan(1, max_q, max_k, table.reshape(-1), None, attend, causal)
+        return Plan(1, max_q, max_k, table.reshape(-1), None, attend, causal)
     lens_k = seq_lens_k.long()
     cu = cu_seqlens_q.long()
     lens_q = cu[1:] - cu[:-1]
@@ -81,7 +81,7 @@ def _build_plan(
         seq_of_token = torch.repeat_interleave(seqs, lens_q, output_size=num_tokens)
         row = torch.arange(num_tokens, device=device) - cu[seq_of_token]
         q_index = seq_of_token * max_q + row
-    return _Plan(num_seqs, max_q, max_k, blocks, q_index, attend, False)
+    return Plan(num_seqs, max_q, max_k, blocks, q_index, attend, False)
 
 
 def _decode_attention(
@@ -111,7 +111,7 @@ class AttentionGroup:
     own metadata tensors are kept for kernels that read the paged cache directly.
     """
 
-    plan: _Plan
+    plan: Plan
     tokens: torch.Tensor | None
     seq_lens_k: torch.Tensor
     block_table: torch.Tensor

@@ -26,6 +26,8 @@ class ChoiceState:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative drafts verified
+    num_accepted_tokens: int = 0  # of those, accepted
     started: bool = False  # a chunk of this choice was emitted
     text_offset: int = 0  # completions logprobs
 
@@ -81,6 +83,8 @@ class Renderer(ABC):
         finish = client_finish_reason(delta)
         state.num_output_tokens = delta.num_output_tokens
         state.num_cached_tokens = delta.num_cached_tokens
+        state.num_draft_tokens = delta.num_draft_tokens
+        state.num_accepted_tokens = delta.num_accepted_tokens
         if finish is not None:
             state.finish_reason = finish
             self.timings = delta.timings or self.timings
@@ -137,11 +141,17 @@ class Renderer(ABC):
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def latency(self) -> dict[str, float | None]:
-        """queue_s, prefill_s, ttft_s, decode_s, e2e_s as the engine measured them."""
-        if self.timings is None:
-            return dict.fromkeys(("queue_s", "prefill_s", "ttft_s", "decode_s", "e2e_s"))
-        return self.timings.as_dict()
+    def latency(self) -> dict[str, float | int | None]:
+        """queue_s, prefill_s, ttft_s, decode_s, e2e_s as the engine measured them, and the
+        speculative drafts verified (draft_tokens) and accepted (accepted_tokens)."""
+        out: dict[str, float | int | None] = (
+            dict.fromkeys(("queue_s", "prefill_s", "ttft_s", "decode_s", "e2e_s"))
+            if self.timings is None
+            else dict(self.timings.as_dict())
+        )
+        out["draft_tokens"] = sum(s.num_draft_tokens for s in self.states)
+        out["accepted_tokens"] = sum(s.num_accepted_tokens for s in self.states)
+        return out
 
     @abstractmethod
     def _stream_choice(

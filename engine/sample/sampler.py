@@ -42,7 +42,7 @@ from engine.request import SamplingParams, TokenLogprob
 from engine.sample.rejection import accept_greedy, accept_random
 from engine.sequence import Sequence
 
-_GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows float32)
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows float32)
 
 
 @dataclass(slots=True)
@@ -100,7 +100,7 @@ class _DraftRow:
 
 def _is_plain_greedy(sp: SamplingParams, num_output_tokens: int) -> bool:
     return (
-        sp.temperature < _GREEDY_EPS
+        sp.temperature < GREEDY_EPS
         and sp.logprobs is None
         and sp.repetition_penalty == 1.0
         and sp.frequency_penalty == 0.0
@@ -205,7 +205,7 @@ class Sampler:
         """The new tokens of each sequence: argmax or one draw per row without drafts,
         verification (`engine.sample.rejection`) for sequences with drafts."""
         dev, vocab = proc.device, proc.shape[1]
-        is_greedy = [r.sampling.temperature < _GREEDY_EPS for r in rows]
+        is_greedy = [r.sampling.temperature < GREEDY_EPS for r in rows]
         for row, g in zip(rows, is_greedy, strict=True):
             if not g and row.sampling.seed is not None:
                 # Every generator exists before any draws: a seed the generator rejects
@@ -225,7 +225,7 @@ class Sampler:
                 r_idx = torch.tensor(rand, device=dev) if greedy else None
                 x = proc if r_idx is None else proc[r_idx]
                 rand_rows = [rows[i] for i in rand]
-                w = self._weights(x, [r.sampling for r in rand_rows])
+                w = self.weights(x, [r.sampling for r in rand_rows])
                 drawn = _check_drawn(_draw(w, self._uniforms(rand_rows, dev)).tolist(), vocab)
                 for i, t in zip(rand, drawn, strict=True):
                     tokens[i] = t
@@ -233,7 +233,7 @@ class Sampler:
         weights_by_row: dict[int, int] = {}
         weights: torch.Tensor | None = None
         if rand:
-            weights = self._weights(
+            weights = self.weights(
                 proc[torch.tensor(rand, device=dev)], [rows[i].sampling for i in rand]
             )
             weights_by_row = {row: k for k, row in enumerate(rand)}
@@ -300,7 +300,8 @@ class Sampler:
 
     # ---- drawing ----
 
-    def _weights(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    @staticmethod
+    def weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p: unnormalised weights, the best token's exactly 1.
 
         Every step is a per-row function of the row's own logits and params (filters cut by

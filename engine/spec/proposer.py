@@ -6,11 +6,14 @@ preempting anyone for them), the runner computes them in the same forward, and t
 keeps the prefix the target model agrees with (`engine.sample.rejection`), so output follows
 the target's distribution whatever the proposer says. A wrong draft only costs compute.
 
-Contract: `propose` must not mutate the sequences. It may skip any sequence (no entry = no
-drafts). Draft token ids must lie in the target's vocabulary; `probs`, when given, are the
+Contract: `propose(seqs, num_tokens)` gets the sequences to draft for with how many drafts
+each may carry (at most; the speculation policy picks the numbers, engine/spec/policy.py). It
+must not mutate the sequences. It may skip any sequence (no entry = no drafts) or propose
+fewer. Draft token ids must lie in the target's vocabulary; `probs`, when given, are the
 distributions `[len(token_ids), vocab]` the drafts were drawn from (None means the proposer
 chose them deterministically: point masses). A proposer that raises costs the step its
-speculation, never a request.
+speculation, never a request. `forget(request_id)` is called when a request ends (finished,
+aborted or failed): a proposer that keeps per-request state (a draft model's KV) frees it.
 """
 
 from __future__ import annotations
@@ -30,13 +33,21 @@ class Draft:
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
-        """Drafts for some of `seqs` (each about to decode), keyed by request id."""
+    def propose(self, seqs: list[Sequence], num_tokens: dict[str, int]) -> dict[str, Draft]:
+        """Drafts for some of `seqs` (each about to decode), keyed by request id, at most
+        `num_tokens[request_id]` each."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop whatever is kept for it."""
         ...
 
 
 class NoopProposer:
-    """Proposes nothing: plain decoding, at the cost of an empty dict per step."""
+    """Proposes nothing: plain decoding."""
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+    def propose(self, seqs: list[Sequence], num_tokens: dict[str, int]) -> dict[str, Draft]:
         return {}
+
+    def forget(self, request_id: str) -> None:
+        pass

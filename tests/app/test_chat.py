@@ -41,7 +41,11 @@ async def test_non_streamed_response_shape_and_latency_breakdown():
     assert usage["prompt_tokens"] == prompt_len
     assert usage["completion_tokens"] == completion_tokens(Script())
     assert usage["total_tokens"] == prompt_len + usage["completion_tokens"]
-    assert set(body["firstlight"]) == {"queue_s", "prefill_s", "ttft_s", "decode_s", "e2e_s"}
+    assert set(body["firstlight"]) == {
+        *("queue_s", "prefill_s", "ttft_s", "decode_s", "e2e_s"),
+        *("draft_tokens", "accepted_tokens"),
+    }
+    assert body["firstlight"]["draft_tokens"] == body["firstlight"]["accepted_tokens"] == 0
     assert all(v is not None and v >= 0 for v in body["firstlight"].values())
     timing = response.headers["server-timing"]
     for name in ("queue", "prefill", "ttft", "decode"):

@@ -109,11 +109,14 @@ def test_a_failing_or_lying_proposer_costs_speculation_only(solo) -> None:
     class Bad:
         calls = 0
 
-        def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+        def propose(self, seqs: list[Sequence], num_tokens: dict[str, int]) -> dict[str, Draft]:
             self.calls += 1
             if self.calls % 2:
                 raise RuntimeError("proposer down")
             return {s.request_id: Draft([10**9, -1]) for s in seqs}  # outside the vocabulary
+
+        def forget(self, request_id: str) -> None:
+            raise RuntimeError("proposer down")
 
     engine = LLMEngine(tiny_config(), proposer=Bad())
     engine.add_request(make_request("g", prompt_ids(1, 20), greedy(12)))

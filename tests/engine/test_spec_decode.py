@@ -26,7 +26,7 @@ class ScriptedProposer:
         self.calls = 0
         self.proposed = 0
 
-    def propose(self, seqs: list[Sequence]) -> dict[str, Draft]:
+    def propose(self, seqs: list[Sequence], num_tokens: dict[str, int]) -> dict[str, Draft]:
         self.calls += 1
         out = {}
         for seq in seqs:
@@ -44,6 +44,9 @@ class ScriptedProposer:
             self.proposed += len(draft)
             out[seq.request_id] = Draft(draft)
         return out
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 PROMPTS = {

@@ -139,6 +139,8 @@ LAYOUTS = {
     "single_full": [(45, 45)],
     "single_chunk": [(13, 77)],
     "single_decode": [(1, 70)],
+    # decodes verifying drafts (short queries) beside plain decodes and a short prefill
+    "spec_verify": [(9, 40), (1, 30), (5, 17), (3, 3), (1, 2)],
 }
 
 
@@ -216,18 +218,30 @@ def test_state_is_built_once_per_step_for_all_layers(backend: str):
     torch.testing.assert_close(got.double(), dense_attention(case, 0.125), atol=2e-5, rtol=1e-5)
 
 
-def test_cpu_kernel_state_converts_the_decode_group_once():
+def test_cpu_kernel_state_converts_short_query_groups_once():
     backend = _cpu_kernel_backend()()
     case = make_case(LAYOUTS["mixed"], num_heads=8, kv_heads=2, head_dim=64)
     state = backend.prepare(case.meta)
-    assert isinstance(state, CpuPagedState) and state.decode is not None
-    # the two decode sequences of the mixed layout (0 and 3), as the kernel takes them
-    assert state.decode.block_table.dtype == torch.int32
-    assert state.decode.block_table.is_contiguous()
-    assert state.decode.seq_lens_k.tolist() == [37, 1]
-    assert state.decode.rows.tolist() == [0, 1]
-    only_prefill = make_case([(5, 9), (3, 3)], num_heads=8, kv_heads=2, head_dim=64)
-    assert backend.prepare(only_prefill.meta).decode is None  # type: ignore[attr-defined]
+    assert isinstance(state, CpuPagedState)
+    # mixed: the decode group (sequences 0 and 3) through the kernel; the longer group has a
+    # 20-token query, past SHORT_QUERY: SDPA
+    decode, longer = state.kernel
+    assert decode is not None and longer is None
+    assert decode.block_table.dtype == torch.int32
+    assert decode.block_table.is_contiguous()
+    assert decode.seq_lens_k.tolist() == [37, 1]
+    assert decode.rows.tolist() == [0, 1]
+    # short queries become one kernel row per query token, each seeing keys up to itself
+    short = backend.prepare(make_case([(3, 9), (2, 2)], 8, 2, 64).meta)
+    assert isinstance(short, CpuPagedState)
+    (args,) = short.kernel
+    assert args is not None
+    assert args.seq_lens_k.tolist() == [7, 8, 9, 1, 2]
+    assert args.rows.tolist() == [0, 1, 2, 3, 4]
+    table = short.groups[0].block_table
+    assert args.block_table.tolist() == [table[0].tolist()] * 3 + [table[1].tolist()] * 2
+    long_only = backend.prepare(make_case([(17, 20), (30, 30)], 8, 2, 64).meta)
+    assert long_only.kernel == [None]  # type: ignore[attr-defined]
     # a state built by the reference backend is not mistaken for the kernel's own
     ref_meta = make_case(LAYOUTS["decode_batch"], num_heads=8, kv_heads=2, head_dim=64).meta
     TorchReferenceBackend().prepare(ref_meta)
