@@ -25,6 +25,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from actors.control_plane import ControlPlane
+from actors.draft_replica import DraftReplica
 from actors.ingress import Ingress
 from actors.model_replica import ModelReplica
 from actors.settings import AppConfig
@@ -88,7 +89,7 @@ def application(config: AppConfig) -> Application:
         request_router_config=request_router(config),
         ray_actor_options={"num_cpus": replica.num_cpus},
         logging_config=_QUIET,
-    ).bind(config, control_plane)
+    ).bind(config, control_plane, _draft_replica(config))
     ingress = config.ingress
     return Ingress.options(
         num_replicas=ingress.num_replicas,
@@ -97,6 +98,19 @@ def application(config: AppConfig) -> Application:
         backpressure_config=_BACKPRESSURE,
         ray_actor_options={"num_cpus": ingress.num_cpus},
     ).bind(config, replicas, control_plane)
+
+
+def _draft_replica(config: AppConfig) -> Application | None:
+    """The DraftReplica every ModelReplica asks for drafts (None: no speculation, or each
+    replica drafts in its own process)."""
+    if not config.uses_draft_replica:
+        return None
+    return DraftReplica.options(
+        num_replicas=1,
+        ray_actor_options={"num_cpus": config.draft_replica.num_cpus},
+        health_check_period_s=5.0,
+        logging_config=_QUIET,
+    ).bind(config)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

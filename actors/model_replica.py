@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.cluster import ReplicaReport
+from actors.draft_channel import RemoteDraftProposer
 from actors.messages import ReplicaError, ReplicaInfo, ReplicaStats
 from actors.runtime import node_id, replica_id, rss_bytes
 from actors.settings import AppConfig
@@ -45,17 +46,31 @@ logger = logging.getLogger("firstlight.replica")
 @serve.deployment(name="ModelReplica")
 class ModelReplica:
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
-        self, config: AppConfig, control_plane: DeploymentHandle | None = None
+        self,
+        config: AppConfig,
+        control_plane: DeploymentHandle | None = None,
+        draft_replica: DeploymentHandle | None = None,
     ):
         self.config = config
         self.control_plane = control_plane
         self.replica_id = replica_id()
         self.channels = ChannelPool(node_id())
+        # Drafts from the DraftReplica when there is one; else whatever the engine config says
+        # (an in-process draft model, prompt lookup, or none).
+        self.drafts: RemoteDraftProposer | None = None
+        if draft_replica is not None:
+            self.drafts = RemoteDraftProposer(timeout_s=config.draft_replica.timeout_s)
         self.engine = await asyncio.to_thread(
             AsyncEngine.from_config,
             config.engine,
             resolve_model=resolve_model,
+            proposer=self.drafts,
         )
+        self._draft_finder: asyncio.Task | None = None
+        if draft_replica is not None:
+            self._draft_finder = asyncio.create_task(
+                self._find_draft_replica(draft_replica), name="find-draft-replica"
+            )
         await self.engine.warmup()
         await self.engine.start()
         await self._warm_request()
@@ -141,6 +156,24 @@ class ModelReplica:
             "num_requests_waiting": stats.waiting.total,
         }
 
+    async def _find_draft_replica(self, handle: DeploymentHandle) -> None:
+        """Keep the draft proposer supplied with the DraftReplica's address: asked through the
+        Serve handle only while the proposer has no working connection (at start, and after
+        the DraftReplica died or stalled; Serve routes the call to its replacement)."""
+        assert self.drafts is not None
+        interval = self.config.draft_replica.address_refresh_s
+        while True:
+            if self.drafts.needs_address():
+                try:
+                    async with asyncio.timeout(max(5.0, interval)):
+                        address = await handle.address.remote()
+                    self.drafts.set_address(tuple(address))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # decoding goes on without drafts meanwhile
+                    logger.info("no draft replica yet: %r", exc)
+            await asyncio.sleep(interval)
+
     async def _report_loop(self) -> None:
         interval = self.config.replica.stats_interval_s
         while self.control_plane is not None:
@@ -160,11 +193,11 @@ class ModelReplica:
             await asyncio.sleep(interval)
 
     async def __del__(self) -> None:
-        reporter = getattr(self, "_reporter", None)
-        if reporter is not None:
-            reporter.cancel()
-            with contextlib.suppress(BaseException):
-                await reporter
+        for task in (getattr(self, "_reporter", None), getattr(self, "_draft_finder", None)):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         if self.control_plane is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
@@ -175,3 +208,6 @@ class ModelReplica:
         engine = getattr(self, "engine", None)  # absent when __init__ failed early
         if engine is not None:
             await engine.shutdown()
+        drafts = getattr(self, "drafts", None)
+        if drafts is not None:
+            drafts.close()

@@ -52,7 +52,7 @@ class ReplicaSettings(BaseModel):
 
     model_config = _SECTION
 
-    num_cpus: float = Field(0.7, ge=0)
+    num_cpus: float = Field(0.6, ge=0)
     autoscaling: AutoscalingSettings = AutoscalingSettings()
     max_queued_requests: int = Field(64, ge=1)  # per caller, when every replica is full
     health_check_period_s: float = Field(5.0, gt=0)
@@ -93,6 +93,25 @@ class IngressSettings(BaseModel):
         return {}
 
 
+class DraftReplicaSettings(BaseModel):
+    """The DraftReplica deployment (actors/draft_replica.py): it serves the drafts of
+    `engine.speculative.draft_model` to every ModelReplica when `engine.speculative.method` is
+    "draft_model" and `enabled` is true (false: each replica runs the draft in its own
+    process). `timeout_s`: a draft call slower than this is dropped and the target decodes
+    without drafts (backing off 1 s, doubling to 30 s, while the draft stays unreachable).
+    `host`: "auto" listens on the node's address (targets on other nodes reach it),
+    "loopback" on 127.0.0.1 only."""
+
+    model_config = _SECTION
+
+    enabled: bool = True
+    num_cpus: float = Field(0.2, ge=0)
+    kv_cache_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024)
+    timeout_s: float = Field(0.25, gt=0)
+    host: Literal["auto", "loopback"] = "auto"
+    address_refresh_s: float = Field(1.0, gt=0)  # how often a target without one asks again
+
+
 class ControlPlaneSettings(BaseModel):
     model_config = _SECTION
 
@@ -107,6 +126,11 @@ class AppConfig(Settings):
     replica: ReplicaSettings = ReplicaSettings()
     ingress: IngressSettings = IngressSettings()
     control_plane: ControlPlaneSettings = ControlPlaneSettings()
+    draft_replica: DraftReplicaSettings = DraftReplicaSettings()
+
+    @property
+    def uses_draft_replica(self) -> bool:
+        return self.engine.speculative.method == "draft_model" and self.draft_replica.enabled
 
     @property
     def replica_max_ongoing_requests(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -106,19 +106,15 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler(info.vocab_size, self.eos_token_ids, seed=config.seed)
-        # Speculation: the proposer and policy `config.speculative` names, unless given. A
-        # proposer given without a policy gets the `fixed` one (its drafts, up to the max).
+        # Speculation: the proposer and policy `config.speculative` names, unless given.
         from engine.spec.build import build_policy, build_proposer
 
-        spec = config.speculative
         if proposer is None:
             proposer = build_proposer(config, resolve_model, info.vocab_size)
-        elif spec_policy is None:
-            spec = replace(spec, policy="fixed")
         self.proposer: Proposer = proposer
         self.speculating = not isinstance(proposer, NoopProposer)
         if spec_policy is None and self.speculating:
-            spec_policy = build_policy(spec)
+            spec_policy = build_policy(config.speculative)
         self.spec_policy = spec_policy
         self.counters = EngineCounters()
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.request import Request, SamplingParams
 from tests.engine.tokenizer_fixture import build_tokenizer
 
@@ -73,9 +73,12 @@ def tiny_draft_dir() -> Path:
 def tiny_config(**overrides) -> EngineConfig:
     cache = overrides.pop("cache", CacheConfig(num_blocks=128))
     scheduler = overrides.pop("scheduler", SchedulerConfig())
-    return replace(
-        EngineConfig(model=str(tiny_model_dir()), cache=cache, scheduler=scheduler), **overrides
+    # Tests script their proposers' drafts: the `fixed` policy passes them on as proposed.
+    spec = overrides.pop("speculative", SpeculativeConfig(policy="fixed"))
+    config = EngineConfig(
+        model=str(tiny_model_dir()), cache=cache, scheduler=scheduler, speculative=spec
     )
+    return replace(config, **overrides)
 
 
 def greedy(n: int, **kw) -> SamplingParams:
