@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.firstlight-setup
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo serve standalone test test-fast lint bench bench-engine bench-overhead bench-routing clean
+.PHONY: setup demo serve standalone test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,9 @@ bench-overhead: setup demo
 
 bench-routing: setup demo
 	$(PY) bench/routing.py
+
+bench-spec: setup demo
+	$(PY) bench/spec.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -114,6 +114,33 @@ def test_rejection_sampling_follows_the_target_distribution(
     assert ((bonus - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / len(accepted)) + 1e-3).all()
 
 
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.6, 3, 1.0), (1.5, 0, 0.7)]
+)
+def test_every_position_of_a_draft_run_follows_the_target(
+    temperature: float, top_k: int, top_p: float
+) -> None:
+    """Three drafts per sequence, each drawn from its own `q` as a draft model would: the
+    token at every position (accepted draft, residual draw or bonus) follows the target,
+    among the runs that reach that position."""
+    n, k = 6000, 3
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(k + 1, V, generator=g) * 1.5  # a different target at each position
+    p = [_filtered_target(rows[j], temperature, top_k, top_p) for j in range(k + 1)]
+    q = torch.softmax(torch.randn(k, V, generator=g), -1)  # drafts from elsewhere
+    draft_ids = torch.stack([torch.multinomial(q[j], n, True, generator=g) for j in range(k)], 1)
+    seqs = [make_seq(temperature=temperature, top_k=top_k, top_p=top_p) for _ in range(n)]
+    logits = rows.repeat(n, 1)
+    drafts = [tuple(d) for d in draft_ids.tolist()]
+    out = sampler(seed=9).sample(logits, seqs, drafts, [q] * n)
+    for j in range(k + 1):
+        reached = [r.token_ids[j] for r in out if len(r.token_ids) > j]
+        assert len(reached) > 100
+        freq = torch.bincount(torch.tensor(reached), minlength=V).float() / len(reached)
+        bound = 4.5 * torch.sqrt(p[j] * (1 - p[j]) / len(reached)) + 2e-3
+        assert ((freq - p[j]).abs() <= bound).all(), (j, freq, p[j])
+
+
 def test_seeded_verification_is_reproducible_and_batch_independent() -> None:
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
 
