@@ -37,15 +37,15 @@ function headers(json) {
   return out;
 }
 
-// The message an error response carries (OpenAI schema), else its status line.
+// The message an error response carries (OpenAI schema; a 429's names its Retry-After),
+// else its status line.
 async function errorMessage(response) {
   let message = `${response.status} ${response.statusText}`;
   try {
     const body = await response.json();
     if (body && body.error && body.error.message) message = `${response.status}: ${body.error.message}`;
   } catch (_) { /* not JSON: keep the status line */ }
-  const retry = response.headers.get("Retry-After");
-  return retry ? `${message} (retry after ${retry} s)` : message;
+  return message;
 }
 
 function showError(message) {
@@ -180,9 +180,14 @@ function drawChart(gaps, median) {
     g.stroke();
     g.setLineDash([]);
   }
-  g.fillStyle = "#8a99a8";
+  const label = `${(top * 1000).toFixed(1)} ms`;
   g.font = "11px system-ui, sans-serif";
-  g.fillText(`${(top * 1000).toFixed(1)} ms`, width - 60, 12);
+  g.fillStyle = "rgba(15, 20, 25, 0.85)";
+  g.fillRect(width - g.measureText(label).width - 8, 0, g.measureText(label).width + 8, 15);
+  g.fillStyle = "#8a99a8";
+  g.textAlign = "right";
+  g.fillText(label, width - 4, 11);
+  g.textAlign = "left";
 }
 
 // -- the chat --------------------------------------------------------------------------
