@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 
 from app.playground.browser import Chromium, Playground, find_chromium, headless_chromium
-from engine.request import Request
+from engine.request import Request, RequestClass
 from tests.app.fakes import FakeEngine, Script, queue_full
 from tests.app.helpers import chat_body, make_app
 
@@ -87,8 +87,13 @@ def chromium() -> Chromium:
 
 
 @pytest.fixture(scope="module")
-def site() -> Iterator[tuple[str, KeyCheck]]:
-    app, _ = make_app(FakeEngine(script=script_for))
+def engine() -> FakeEngine:
+    return FakeEngine(script=script_for)
+
+
+@pytest.fixture(scope="module")
+def site(engine: FakeEngine) -> Iterator[tuple[str, KeyCheck]]:
+    app, _ = make_app(engine)
     checked = KeyCheck(app)
     with server_thread(checked) as url:
         yield url, checked
@@ -106,6 +111,25 @@ def finish(page: Playground, prompt: str, max_tokens: str = "16") -> None:
     page.set("max-tokens", max_tokens)
     page.send(prompt)
     page.wait_for(lambda: not page.busy(), timeout_s=10)
+
+
+def test_options_reach_the_engine(page, engine) -> None:
+    page.set("temperature", "0.3")
+    page.choose("tier", "flex")
+    page.tick("ignore-eos")
+    finish(page, "Hello", max_tokens="12")
+    request = engine.requests[-1]
+    assert request.request_class is RequestClass.BULK
+    assert (request.sampling.temperature, request.sampling.max_tokens) == (0.3, 12)
+    assert request.sampling.ignore_eos
+
+    page.choose("tier", "default")
+    page.tick("ignore-eos", on=False)
+    finish(page, "Hello again")
+    request = engine.requests[-1]
+    assert request.request_class is RequestClass.INTERACTIVE and not request.sampling.ignore_eos
+    # the conversation goes on: the first exchange is part of the second prompt
+    assert "Hello there!" in engine.tokenizer.decode(request.prompt_token_ids)
 
 
 def test_api_key_is_kept_for_the_session_and_sent_as_a_bearer_header(page, site) -> None:
