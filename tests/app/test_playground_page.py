@@ -138,9 +138,13 @@ def test_api_key_is_kept_for_the_session_and_sent_as_a_bearer_header(page, site)
     finish(page, "Hello")
     assert page.text("error") == "401: invalid API key"  # the API's own message
 
+    page.driver.refresh()  # a page opened with keys on and no key: the model list is refused
+    page.wait_for(lambda: page.text("error") == "models: 401: invalid API key")
+
     page.set("api-key", KEY)
     page.driver.find_element("id", "prompt").click()  # leaving the field commits the key
     page.wait_for(lambda: checked.seen[-1] == ("/v1/models", f"Bearer {KEY}"))
+    page.wait_for(lambda: page.text("error") == "")
     finish(page, "Hello")
     assert page.text("error") == ""
     assert page.last_answer() == "Hello there!"

@@ -6,6 +6,7 @@
 
 const KEY_STORAGE = "firstlight.apiKey";
 const POLL_MS = 1000;
+const MODELS_ERROR = "models: ";
 const $ = (id) => document.getElementById(id);
 
 const conversation = []; // [{role, content}] sent with each prompt
@@ -63,8 +64,9 @@ async function loadModels() {
     const current = select.value;
     select.replaceChildren(...body.data.map((m) => new Option(m.id, m.id)));
     if (body.data.some((m) => m.id === current)) select.value = current;
+    if ($("error").textContent.startsWith(MODELS_ERROR)) showError(""); // e.g. a key now given
   } catch (error) {
-    showError(`models: ${error.message}`);
+    showError(`${MODELS_ERROR}${error.message}`);
   }
 }
 
