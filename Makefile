@@ -15,7 +15,7 @@ browser:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing chromium and chromium-driver (apt-get)"; \
 	    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
-	      apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; \
+	      apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	  else \
 	    echo "no chromium: run 'apt-get install chromium chromium-driver' as root for the browser tests"; \
 	  fi; }
