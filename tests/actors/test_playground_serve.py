@@ -68,6 +68,15 @@ def wait_for(condition: Any, timeout_s: float = 20.0) -> Any:
     return value
 
 
+def painted_pixels(driver: Any, canvas_id: str) -> int:
+    return driver.execute_script(
+        "const c = document.getElementById(arguments[0]);"
+        "const data = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+        "let n = 0; for (let i = 3; i < data.length; i += 4) if (data[i]) n++; return n;",
+        canvas_id,
+    )
+
+
 def is_figure(text: str) -> bool:
     return text.endswith((" ms", " s"))
 
@@ -102,6 +111,7 @@ def test_stream_then_stop_mid_answer_from_the_page(url: str, chromium: Chromium)
         assert "stopped" in driver.find_elements("css selector", ".message.assistant")[-1].text
         assert page.text("error") == ""
         assert int(page.text("b-tokens")) < LONG_ANSWER
+        assert painted_pixels(driver, "itl-chart") > 0  # the ITL strip chart has bars
 
         # the server saw the client leave: counted, aborted in the engine, its KV given back
         wait_for(lambda: counter(url, "firstlight_request_cancelled") == cancelled + 1)
