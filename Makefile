@@ -4,9 +4,21 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.firstlight-setup
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup demo serve standalone test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec clean
+.PHONY: setup browser demo serve standalone screenshot test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# Headless Chromium and its WebDriver, for the playground's browser tests and `make screenshot`
+# (Debian packages; installed once, as root, quietly). Without them those tests skip.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium and chromium-driver (apt-get)"; \
+	    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else \
+	    echo "no chromium: run 'apt-get install chromium chromium-driver' as root for the browser tests"; \
+	  fi; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,14 +34,21 @@ demo: setup
 	$(PY) -m demo.build
 
 serve: setup demo
-	@echo "firstlight: serving the demo model at http://127.0.0.1:8000/v1"
+	@echo "firstlight: starting the demo model (the URL to open follows once it is up)"
 	@echo "try: curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "       -d '{\"model\":\"demo\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"Can I pause my annual subscription?\"}]}'"
 	# Ray nices its workers to 15 by default; model replicas should not yield to everything.
-	RAY_worker_niceness=0 $(VENV)/bin/serve run serve_config.yaml
+	# The announcer prints the playground's URL once /health answers; `exec` gives `serve run`
+	# this shell's pid, which the announcer watches so it leaves with it.
+	$(PY) -m app.playground.announce --config serve_config.yaml --while-pid $$$$ & \
+	RAY_worker_niceness=0 exec $(VENV)/bin/serve run serve_config.yaml
 
 standalone: setup demo
 	$(PY) -m app.standalone --config serve_config.yaml
+
+# docs/playground.png: the playground mid-stream (bare mode, demo model, headless Chromium)
+screenshot: setup demo
+	$(PY) -m app.playground.screenshot docs/playground.png
 
 test: setup demo
 	$(PY) -m pytest -q tests

@@ -28,6 +28,7 @@ from app.metrics import CONTENT_TYPE, Metrics
 from app.middleware import EdgeMiddleware
 from app.openai.body import parse_body
 from app.openai.prepare import OpenAILayer, Route
+from app.playground.routes import install_playground
 from app.settings import Settings
 from policies.base import create
 from policies.request_class import RequestClassPolicy
@@ -90,6 +91,7 @@ def build_app(
     app.add_api_route("/metrics", render_metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
+    install_playground(app)  # `/`, its assets, `/status`
     return app
 
 
