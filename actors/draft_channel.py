@@ -101,8 +101,24 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 # -- the DraftReplica's side -------------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class _Lookahead:
+    """Drafts made ahead for the next call, valid if the target accepts every draft of this
+    one and its own next token is the one the draft expects."""
+
+    expected: list[int]  # the true tokens the next call must bring
+    draft: Draft
+
+
 class DraftService:
     """Serves `ProposeCall`s of several sessions (target connections) from one `DraftModel`.
+
+    Drafting ahead (`look_ahead`, run while the targets verify, when no call waits): for each
+    sequence just answered, the draft assumes all of its drafts are accepted and the target's
+    own next token is the draft's guess, and drafts the step after. When the next call brings
+    exactly those tokens (a run the target accepted whole), its drafts are ready: the draft's
+    work overlapped the target's verification. Otherwise it drafts as usual (its KV rolls
+    back to what the true tokens confirm).
 
     Not thread-safe: one caller at a time (the DraftReplica runs it on one worker thread)."""
 
@@ -110,7 +126,10 @@ class DraftService:
         self.draft = draft
         self._sessions: dict[int, dict[str, list[int]]] = {}  # true tokens per request
         self._next_session = 0
+        self._answered: list[tuple[DraftQuery, Draft]] = []  # the last batch's, for look_ahead
+        self._ahead: dict[str, _Lookahead] = {}
         self.num_calls = 0
+        self.num_lookahead_hits = 0
 
     def open_session(self) -> int:
         self._next_session += 1
@@ -118,18 +137,22 @@ class DraftService:
         return self._next_session
 
     def close_session(self, session: int) -> None:
-        for request_id in self._sessions.pop(session, {}):
-            self.draft.release(_key(session, request_id))
+        self.release(session, list(self._sessions.get(session, {})))
+        self._sessions.pop(session, None)
 
     def release(self, session: int, request_ids: list[str]) -> None:
         known = self._sessions.get(session, {})
         for request_id in request_ids:
+            key = _key(session, request_id)
+            self._ahead.pop(key, None)
             if known.pop(request_id, None) is not None:
-                self.draft.release(_key(session, request_id))
+                self.draft.release(key)
 
     def handle(self, calls: list[tuple[int, ProposeCall]]) -> list[ProposeReply]:
         """One reply per call; all calls' sequences drafted together in one batch."""
-        queries: list[DraftQuery] = []
+        queries: list[DraftQuery] = []  # to draft now
+        served: list[DraftQuery] = []  # every sequence of the batch
+        ready: dict[str, Draft] = {}  # drafted ahead
         replies: list[ProposeReply] = []
         for session, call in calls:
             known = self._sessions.setdefault(session, {})
@@ -146,22 +169,67 @@ class DraftService:
                     continue
                 del tokens[item.start :]
                 tokens.extend(item.tokens)
+                key = _key(session, request_id)
                 temperature, top_k, top_p, min_p = item.sampling
                 sampling = SamplingParams(
                     temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
                 )
-                queries.append(
-                    DraftQuery(_key(session, request_id), tokens, item.num_tokens, sampling)
-                )
+                query = DraftQuery(key, tokens, item.num_tokens, sampling)
+                served.append(query)
+                ahead = self._ahead.pop(key, None)
+                if ahead is not None and _matches(ahead, query):
+                    ready[key] = _first(ahead.draft, item.num_tokens)
+                    self.num_lookahead_hits += 1
+                else:
+                    queries.append(query)
             replies.append(reply)
         self.num_calls += len(calls)
         drafts = self.draft.propose(queries) if queries else {}
+        drafts.update(ready)
+        self._answered = [(q, drafts[q.request_id]) for q in served if q.request_id in drafts]
         by_session = {session: reply for (session, _), reply in zip(calls, replies, strict=True)}
         for key, draft in drafts.items():
             session, request_id = _split(key)
             probs = None if draft.probs is None else draft.probs.float().numpy().tobytes()
             by_session[session].drafts[request_id] = (draft.token_ids, probs)
         return replies
+
+    def look_ahead(self) -> int:
+        """Draft the step after the last call's, for each sequence it answered (class doc);
+        returns how many sequences were drafted ahead."""
+        answered, self._answered = self._answered, []
+        queries = [
+            DraftQuery(q.request_id, q.token_ids + d.token_ids, len(d.token_ids) + 1, q.sampling)
+            for q, d in answered
+            if self._is_known(q.request_id)  # not released since
+        ]
+        drafts = self.draft.propose(queries) if queries else {}
+        for q in queries:
+            d = drafts.get(q.request_id)
+            if d is None or len(d.token_ids) < 2:
+                continue
+            guess = d.token_ids[0]  # what the draft expects the target's own token to be
+            rest = Draft(d.token_ids[1:], None if d.probs is None else d.probs[1:])
+            self._ahead[q.request_id] = _Lookahead([*q.token_ids, guess], rest)
+        return len(self._ahead)
+
+    def _is_known(self, key: str) -> bool:
+        session, request_id = _split(key)
+        return request_id in self._sessions.get(session, {})
+
+
+def _matches(ahead: _Lookahead, query: DraftQuery) -> bool:
+    """The call brings the tokens the lookahead assumed (only their tail can differ: true
+    tokens only grow, and the lookahead began from the last call's true tokens)."""
+    expected, tokens = ahead.expected, query.token_ids
+    if len(tokens) != len(expected) or query.num_tokens > len(ahead.draft.token_ids):
+        return False
+    tail = len(ahead.draft.token_ids) + 2
+    return tokens[-tail:] == expected[-tail:]
+
+
+def _first(draft: Draft, k: int) -> Draft:
+    return Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
 
 
 def _key(session: int, request_id: str) -> str:

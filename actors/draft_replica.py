@@ -4,7 +4,9 @@ Target replicas reach it over the direct channel of `actors/draft_channel.py`: e
 `address()` once through a Serve handle (again only after losing it), then sends one frame
 per engine step over TCP. Calls from all targets that arrive while a batch is being drafted
 are drafted together in the next batch (one `DraftModel.propose` for all of them), on one
-worker thread; the event loop only moves frames.
+worker thread; the event loop only moves frames. Between batches, while the targets verify,
+the worker drafts each sequence's next step ahead (`DraftService.look_ahead`), so a run the
+target accepts whole gets its next drafts without waiting for the draft model.
 
 A connection that closes (a target replica gone, or one that timed out) frees the KV of
 every sequence it was drafting for.
@@ -116,6 +118,11 @@ class DraftReplica:
             for (_, _, done), reply in zip(batch, replies, strict=True):
                 if not done.done():
                     done.set_result(reply)
+            if not self._pending:  # the targets verify now: draft their next step meanwhile
+                try:
+                    await self._run(self.service.look_ahead)
+                except Exception:
+                    logger.exception("drafting ahead failed")
 
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
         """`fn(*args)` on a worker thread, one at a time (the service is not thread-safe)."""

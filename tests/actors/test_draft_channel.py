@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,7 @@ from tests.engine.engine_fixture import (
     make_request,
     prompt_ids,
     tiny_config,
+    tiny_draft_dir,
     tiny_model_dir,
 )
 
@@ -38,8 +40,9 @@ PROMPTS = {"a": prompt_ids(1, 30), "b": prompt_ids(2, 17), "c": prompt_ids(3, 9)
 class DraftServer:
     """`DraftService` behind a TCP listener on 127.0.0.1, one thread per connection."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
-        self.service = DraftService(DraftModel(tiny_model_dir(), kv_cache_bytes=1 << 20))
+    def __init__(self, delay_s: float = 0.0, model: Path | None = None) -> None:
+        draft = DraftModel(model or tiny_model_dir(), kv_cache_bytes=1 << 20)
+        self.service = DraftService(draft)
         self.delay_s = delay_s
         self.lock = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -73,6 +76,8 @@ class DraftServer:
                     time.sleep(self.delay_s)
                     (reply,) = self.service.handle([(session, msg)])
                 send_frame(conn, reply)
+                with self.lock:
+                    self.service.look_ahead()  # as the DraftReplica does between calls
         except (ConnectionError, OSError):
             pass
         finally:
@@ -131,12 +136,25 @@ def test_remote_drafts_decode_exactly_and_free_the_draft_kv(server, plain) -> No
     assert run(engine) == plain
     c = engine.counters
     assert c.draft_tokens > 0 and c.accepted_tokens == c.draft_tokens  # the target as draft
+    # The target as its own draft accepts every run and guesses every bonus token: most
+    # calls find their drafts made ahead.
+    assert server.service.num_lookahead_hits > server.service.num_calls / 2
     assert proposer.available and engine.spec_stats().proposer_up == 1
     deadline = time.monotonic() + 5
     while server.service.draft.num_followed and time.monotonic() < deadline:
         time.sleep(0.01)  # Release frames are one-way: let the server read them
     draft = server.service.draft
     assert draft.num_followed == 0 and draft.kv.num_free_blocks == draft.kv.num_blocks
+
+
+def test_drafts_that_miss_and_drafts_made_ahead_for_a_wrong_guess_keep_it_exact(plain) -> None:
+    server = DraftServer(model=tiny_draft_dir())  # a draft that often disagrees
+    proposer = RemoteDraftProposer()
+    proposer.set_address(server.address)
+    engine = engine_with(proposer)
+    assert run(engine) == plain
+    assert engine.counters.accepted_tokens < engine.counters.draft_tokens
+    server.kill()
 
 
 def test_a_dead_draft_costs_speculation_only_and_a_new_one_brings_it_back(plain) -> None:
