@@ -32,8 +32,10 @@ def test_shipped_serve_config_is_valid_and_fits_two_cores():
         config.ingress.num_cpus * config.ingress.num_replicas
         + config.control_plane.num_cpus
         + config.replica.num_cpus * config.replica.autoscaling.max_replicas
+        + (config.draft_replica.num_cpus if config.uses_draft_replica else 0.0)
     )
-    assert cpus <= 2.0
+    assert cpus <= 2.0 + 1e-9
+    assert config.uses_draft_replica  # the demo speculates with its DraftReplica
     # The engine's own bounded queue fills before Serve's replica limit does.
     scheduler = config.engine.scheduler
     assert config.replica_max_ongoing_requests == scheduler.max_num_seqs + 2 * scheduler.max_waiting
@@ -141,3 +143,30 @@ def test_the_application_wires_three_deployments():
     router = deployment_config(replicas).request_router_config
     assert router.request_router_class == "actors.request_router.PolicyRequestRouter"
     assert router.request_router_kwargs == {"policy": "prefix_affinity", "block_size": 16}
+
+
+@pytest.mark.parametrize(
+    ("args", "draft"),
+    [
+        ({}, False),  # the engine's default: no speculation
+        ({"engine": {"speculative": {"method": "draft_model"}}}, True),
+        (
+            {
+                "engine": {"speculative": {"method": "draft_model"}},
+                "draft_replica": {"enabled": False},  # the draft runs inside each replica
+            },
+            False,
+        ),
+        ({"engine": {"speculative": {"method": "prompt_lookup"}}}, False),
+    ],
+)
+def test_a_draft_replica_is_wired_only_when_drafts_come_from_one(args, draft):
+    app = application(load_config(args))
+    _, replicas, _ = (bound_deployment(a) for a in bound_deployment(app).init_args)
+    draft_arg = replicas.init_args[2]
+    if draft:
+        deployment = bound_deployment(draft_arg)
+        assert deployment.name == "DraftReplica"
+        assert deployment_config(deployment).num_replicas == 1
+    else:
+        assert draft_arg is None
