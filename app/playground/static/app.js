@@ -133,13 +133,13 @@ function renderServer(breakdown, usage) {
   setText("s-decode", ms(b.decode_s));
   setText("s-e2e", ms(b.e2e_s));
   setText("s-tokens", usage ? String(usage.completion_tokens) : "–");
-  // speculative decoding adds these; the row shows only where a server sends them
+  // speculative decoding: the row shows only for an answer that carried drafts
   const drafted = b.draft_tokens;
-  const hasSpec = Number.isInteger(drafted) && Number.isInteger(b.accepted_tokens);
+  const hasSpec = Number.isInteger(drafted) && drafted > 0 && Number.isInteger(b.accepted_tokens);
   $("spec-row").hidden = !hasSpec;
   if (hasSpec) {
-    const rate = drafted > 0 ? ` (${((100 * b.accepted_tokens) / drafted).toFixed(0)}%)` : "";
-    setText("s-accept", `${b.accepted_tokens}/${drafted}${rate}`);
+    const rate = ((100 * b.accepted_tokens) / drafted).toFixed(0);
+    setText("s-accept", `${b.accepted_tokens}/${drafted} (${rate}%)`);
   }
 }
 
