@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from app.errors import error_response
@@ -40,9 +40,13 @@ class EdgeMiddleware:
     answers 413 before the app reads a body over `max_body_bytes`; turns an exception nobody
     handled into a logged 500 (when the response has not started yet)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, large_bodies: Mapping[str, int] | None = None
+    ) -> None:
+        """`large_bodies`: path → its own body limit (uploads, read as they stream)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.large_bodies = dict(large_bodies or {})
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -62,7 +66,8 @@ class EdgeMiddleware:
             await send(message)
 
         try:
-            receive = await self._limit_body(headers, receive)
+            limit = self.large_bodies.get(scope["path"], self.max_body_bytes)
+            receive = await self._limit_body(headers, receive, limit)
             await self.app(scope, receive, send_with_id)
         except APIError as exc:  # raised by _limit_body, before the app ran
             await error_response(exc)(scope, receive, send_with_id)
@@ -71,7 +76,9 @@ class EdgeMiddleware:
             if not started:
                 await error_response(to_api_error(exc, request_id))(scope, receive, send_with_id)
 
-    async def _limit_body(self, headers: dict[bytes, bytes], receive: Receive) -> Receive:
+    async def _limit_body(
+        self, headers: dict[bytes, bytes], receive: Receive, limit: int
+    ) -> Receive:
         """Reject by `content-length` unread; a body without one is buffered up to the limit."""
         length = headers.get(b"content-length")
         if length is not None:
@@ -79,11 +86,13 @@ class EdgeMiddleware:
                 size = int(length)
             except ValueError:
                 raise bad_request("invalid Content-Length header") from None
-            if size > self.max_body_bytes:
-                raise self._too_large()
+            if size > limit:
+                raise self._too_large(limit)
             return receive
         if b"transfer-encoding" not in headers:
             return receive
+        if limit != self.max_body_bytes:  # an upload route: counted as it streams, not held
+            return _counting(receive, limit)
         parts: list[bytes] = []
         size = 0
         while True:
@@ -92,8 +101,8 @@ class EdgeMiddleware:
                 break
             parts.append(message.get("body", b""))
             size += len(parts[-1])
-            if size > self.max_body_bytes:
-                raise self._too_large()
+            if size > limit:
+                raise self._too_large(limit)
             if not message.get("more_body", False):
                 break
         replay: list[Message] = [
@@ -105,9 +114,26 @@ class EdgeMiddleware:
 
         return replayed
 
-    def _too_large(self) -> APIError:
+    @staticmethod
+    def _too_large(limit: int) -> APIError:
         return APIError(
             413,
-            f"request body larger than {self.max_body_bytes} bytes",
+            f"request body larger than {limit} bytes",
             code="request_too_large",
         )
+
+
+def _counting(receive: Receive, limit: int) -> Receive:
+    """`receive` that raises 413 once more than `limit` body bytes came through it."""
+    size = 0
+
+    async def counted() -> Message:
+        nonlocal size
+        message = await receive()
+        if message["type"] == "http.request":
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise EdgeMiddleware._too_large(limit)
+        return message
+
+    return counted

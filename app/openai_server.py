@@ -20,6 +20,8 @@ from fastapi import FastAPI
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
+from app.batch.routes import install_batch_routes
+from app.batch.store import BatchStore
 from app.endpoint import Endpoints, ModelEndpoint
 from app.errors import install_error_handlers
 from app.generation import Job, Runtime, Trace, run_job
@@ -85,13 +87,18 @@ def build_app(
     app = FastAPI(title="firstlight", lifespan=lifespan)
     app.state.firstlight = ctx
     install_error_handlers(app)
-    app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes)
+    large = (
+        {"/v1/files": settings.batch.max_file_bytes + 64 * 1024} if settings.batch.enabled else {}
+    )
+    app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes, large_bodies=large)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/metrics", render_metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     install_playground(app)  # `/`, its assets, `/status`
+    if settings.batch.enabled:
+        install_batch_routes(app, BatchStore(settings.batch.path()), settings.batch)
     return app
 
 

@@ -13,7 +13,9 @@ Unknown keys are errors naming the field (a typo must not silently fall back to 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -26,6 +28,29 @@ from pydantic_settings import (
 
 from app.config_schema import validated
 from engine.config import EngineConfig
+
+
+class BatchSettings(BaseModel):
+    """Batch jobs (`/v1/files`, `/v1/batches`; app/batch/). `directory` holds the SQLite
+    store and the files (empty: `$FIRSTLIGHT_HOME/batches`; on a cluster, a path every node
+    shares). Uploads past `max_file_bytes` or `max_lines` are refused; `completion_window`
+    may be at most `max_completion_window_s`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    directory: str = ""
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)
+    max_lines: int = Field(50_000, ge=1)
+    max_completion_window_s: int = Field(7 * 24 * 3600, ge=60)
+
+    def path(self) -> Path:
+        if self.directory:
+            return Path(self.directory).expanduser()
+        home = os.environ.get("FIRSTLIGHT_HOME")
+        return (Path(home).expanduser() if home else Path.home() / ".cache" / "firstlight") / (
+            "batches"
+        )
 
 
 class PolicySettings(BaseModel):
@@ -60,6 +85,7 @@ class Settings(BaseSettings):
     max_label_values: int = Field(32, ge=1)  # distinct tag values per metric label
     engine: validated(EngineConfig) = EngineConfig()  # type: ignore[valid-type]
     policies: PolicySettings = PolicySettings()
+    batch: BatchSettings = BatchSettings()
 
     @model_validator(mode="before")
     @classmethod

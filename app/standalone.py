@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 
+from app.batch.runner import BatchRunner, spare_capacity
 from app.endpoint import ModelEndpoint
 from app.openai_server import build_app
 from app.settings import Settings, StandaloneSettings
@@ -97,12 +98,27 @@ def build_standalone(settings: Settings) -> FastAPI:
         await engine.warmup()  # as a ModelReplica does: the first request is not the warm-up
         await engine.start()
         freeze_startup_heap()
+        batches = _batch_runner(app, lambda: spare_capacity(engine.stats()))
         try:
             yield
         finally:
+            if batches is not None:
+                await batches.stop()
             await engine.shutdown()
 
     return build_app([endpoint], settings, lifespan=lifespan)
+
+
+def _batch_runner(app: FastAPI, capacity: Callable[[], int]) -> BatchRunner | None:
+    """In bare mode the app's own process runs the batches (Serve mode: the BatchJobs
+    deployment); it resumes whatever a previous run left unfinished."""
+    state = getattr(app.state, "batch", None)
+    if state is None:
+        return None
+    store, _ = state
+    runner = BatchRunner(store, app.state.firstlight.layer, capacity)
+    runner.start()
+    return runner
 
 
 def main(argv: Sequence[str] | None = None) -> None:

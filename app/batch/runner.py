@@ -1,0 +1,278 @@
+"""Runs batches: each JSONL line as a `bulk` request through the same OpenAI layer and
+routing as HTTP, as fast as spare capacity allows, each result stored exactly once.
+
+`BatchRunner.run_forever()` polls the store for active batches (also the ones a previous
+runner left: a restarted runner resumes them) and runs each:
+
+* validating → in_progress; lines whose results are stored already are skipped (they ran
+  before a restart), the rest run with at most `capacity()` in flight, re-read before each
+  launch: the spare seats of the engines (`spare_capacity`), so the batch fills the fleet
+  when interactive load falls and backs off when it rises;
+* a line that is not valid JSON, lacks `custom_id`/`method`/`url`/`body`, names another
+  endpoint, or is refused by the OpenAI layer (bad parameters, unknown model) becomes an
+  entry of the error file; an overloaded engine (429) or a missing replica (503) makes the
+  line wait and try again; the batch never fails because of a line;
+* cancelling → cancelled, expired past `expires_at` → expired, else completed: the output
+  and error files are written from the stored results (finished lines are kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from app.batch.store import BatchRow, BatchStore, new_id
+from app.openai.complete import complete
+from app.openai.errors import APIError, to_api_error
+from app.openai.prepare import OpenAILayer
+from engine.stats import EngineStats
+from policies.request_class import CLASS_HEADER
+
+logger = logging.getLogger("firstlight.batch")
+
+RETRY_S = 0.5  # wait before retrying a line the engines could not take
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
+
+def spare_capacity(stats: EngineStats) -> int:
+    """Lines the engines can take now without anyone waiting: free seats (at least 1, so a
+    batch always moves)."""
+    seats = stats.admission.max_running
+    return max(1, seats - stats.running.total - stats.waiting.total)
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        store: BatchStore,
+        layer: OpenAILayer,
+        capacity: Callable[[], int],
+        *,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.layer = layer
+        self.capacity = capacity
+        self.poll_s = poll_s
+        self._running: dict[str, asyncio.Task] = {}
+        self._loop_task: asyncio.Task | None = None
+        self.in_flight = 0
+        self.lines_run = 0  # lines this runner sent to the engines (not counting retries)
+
+    def start(self) -> None:
+        """Run `run_forever` in the background of the running loop (`stop` ends it)."""
+        self._loop_task = asyncio.create_task(self.run_forever(), name="batch-runner")
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                self.poll()
+            except Exception:  # the store being briefly locked must not stop the runner
+                logger.exception("batch poll failed")
+            await asyncio.sleep(self.poll_s)
+
+    def poll(self) -> None:
+        for batch in self.store.active_batches():
+            task = self._running.get(batch.id)
+            if task is None or task.done():
+                self._running[batch.id] = asyncio.create_task(
+                    self.run_batch(batch.id), name=f"batch-{batch.id}"
+                )
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._loop_task
+        for task in self._running.values():
+            task.cancel()
+        for task in self._running.values():
+            with contextlib.suppress(BaseException):
+                await task
+        self._running.clear()
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    async def run_batch(self, batch_id: str) -> None:
+        batch = self.store.get_batch(batch_id, None)
+        if batch is None:
+            return
+        if batch.status == "validating":
+            self.store.set_status(batch_id, "in_progress", only_from=("validating",))
+        if batch.status in ("validating", "in_progress"):
+            await self._run_lines(batch)
+        batch = self.store.get_batch(batch_id, None)
+        assert batch is not None
+        if batch.status == "cancelling":
+            self._finish(batch, "cancelled")
+        elif batch.status in ("in_progress", "finalizing"):
+            expired = time.time() > batch.expires_at
+            self.store.set_status(batch_id, "finalizing", only_from=("in_progress",))
+            self._finish(batch, "expired" if expired else "completed")
+
+    async def _run_lines(self, batch: BatchRow) -> None:
+        done = self.store.done_custom_ids(batch.id)
+        path = self.store.file_path(batch.input_file_id)
+        tasks: set[asyncio.Task] = set()
+        wake = asyncio.Event()
+
+        def finished(task: asyncio.Task) -> None:
+            tasks.discard(task)
+            self.in_flight -= 1
+            wake.set()
+
+        try:
+            with path.open("rb") as lines:
+                for number, raw in enumerate(lines):
+                    if not raw.strip():
+                        continue
+                    custom_id, line = _parse_line(raw)
+                    if custom_id in done:
+                        continue
+                    while self.in_flight >= self.capacity():
+                        wake.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(wake.wait(), self.poll_s)
+                        if self._stopping(batch.id):
+                            return
+                    if self._stopping(batch.id):
+                        return
+                    self.in_flight += 1
+                    task = asyncio.create_task(
+                        self._run_line(batch, number, custom_id or f"line-{number}", line)
+                    )
+                    tasks.add(task)
+                    task.add_done_callback(finished)
+            while tasks:
+                await asyncio.wait(set(tasks))
+        finally:
+            for task in set(tasks):
+                task.cancel()
+
+    def _stopping(self, batch_id: str) -> bool:
+        """Cancelled by its owner, or past its completion window."""
+        batch = self.store.get_batch(batch_id, None)
+        return batch is None or batch.status == "cancelling" or time.time() > batch.expires_at
+
+    async def _run_line(
+        self, batch: BatchRow, number: int, custom_id: str, line: dict[str, Any] | str
+    ) -> None:
+        request_id = new_id("batch_req")
+        if isinstance(line, str):  # the line itself is unusable: why
+            self._error(batch, number, custom_id, request_id, 400, "invalid_request", line)
+            return
+        if line["url"] != batch.endpoint:
+            message = f"url {line['url']!r} is not this batch's endpoint {batch.endpoint!r}"
+            self._error(batch, number, custom_id, request_id, 400, "invalid_request", message)
+            return
+        self.lines_run += 1
+        while True:
+            try:
+                job = await self.layer.prepare(
+                    line["url"],
+                    line["body"],
+                    headers={CLASS_HEADER: "bulk"},
+                    request_id=request_id,
+                )
+                if job.stream:
+                    raise APIError(400, "a batch line cannot stream", param="stream")
+                response = await complete(job)
+            except Exception as exc:
+                error = to_api_error(exc, request_id)
+                if error.status in (429, 503):  # overloaded or no replica: the line waits
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                self._store(batch, number, custom_id, request_id, error.status, error.payload())
+                return
+            self._store(batch, number, custom_id, request_id, 200, response)
+            return
+
+    def _store(
+        self,
+        batch: BatchRow,
+        number: int,
+        custom_id: str,
+        request_id: str,
+        status: int,
+        body: dict[str, Any],
+    ) -> None:
+        entry = {
+            "id": request_id,
+            "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": body},
+            "error": None,
+        }
+        self.store.record_result(batch.id, number, custom_id, status == 200, entry)
+
+    def _error(
+        self,
+        batch: BatchRow,
+        number: int,
+        custom_id: str,
+        request_id: str,
+        status: int,
+        code: str,
+        message: str,
+    ) -> None:
+        entry = {
+            "id": request_id,
+            "custom_id": custom_id,
+            "response": None,
+            "error": {"code": code, "message": message},
+        }
+        self.store.record_result(batch.id, number, custom_id, False, entry)
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def _finish(self, batch: BatchRow, status: str) -> None:
+        """Write the output and error files from the stored results, then the final status."""
+        fields: dict[str, Any] = {}
+        for ok, name in ((True, "output_file_id"), (False, "error_file_id")):
+            file_id = new_id("file")
+            path = self.store.file_path(file_id)
+            tmp = path.with_suffix(".part")
+            count = size = 0
+            with tmp.open("w", encoding="utf-8") as out:
+                for body in self.store.results(batch.id, ok):
+                    out.write(body + "\n")
+                    count += 1
+                    size += len(body.encode()) + 1
+            if count:
+                tmp.replace(path)
+                suffix = "output" if ok else "error"
+                self.store.add_file(
+                    file_id, batch.owner, f"{batch.id}_{suffix}.jsonl", "batch_output", size, count
+                )
+                fields[name] = file_id
+            else:
+                tmp.unlink(missing_ok=True)
+        self.store.set_status(batch.id, status, only_from=(*_ACTIVE_ENDS,), **fields)
+        logger.info("batch %s %s", batch.id, status)
+
+
+_ACTIVE_ENDS = ("in_progress", "finalizing", "cancelling", "validating")
+
+
+def _parse_line(raw: bytes) -> tuple[str | None, dict[str, Any] | str]:
+    """(custom_id, the line) or (custom_id if readable, why the line is unusable)."""
+    try:
+        line = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, f"the line is not valid JSON: {exc}"
+    if not isinstance(line, dict):
+        return None, "the line is not a JSON object"
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return None, "the line has no custom_id"
+    if line.get("method") != "POST":
+        return custom_id, "method must be POST"
+    if line.get("url") not in ENDPOINTS:
+        return custom_id, f"url must be one of {', '.join(ENDPOINTS)}"
+    if not isinstance(line.get("body"), dict):
+        return custom_id, "body must be a JSON object"
+    return custom_id, line
