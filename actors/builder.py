@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from actors.batch_jobs import BatchJobs
 from actors.control_plane import ControlPlane
 from actors.draft_replica import DraftReplica
 from actors.ingress import Ingress
@@ -91,13 +92,20 @@ def application(config: AppConfig) -> Application:
         logging_config=_QUIET,
     ).bind(config, control_plane, _draft_replica(config))
     ingress = config.ingress
+    batch_jobs = None
+    if config.batch.enabled:
+        batch_jobs = BatchJobs.options(
+            num_replicas=1,
+            ray_actor_options={"num_cpus": config.batch_jobs.num_cpus},
+            logging_config=_QUIET,
+        ).bind(config, replicas, control_plane)
     return Ingress.options(
         num_replicas=ingress.num_replicas,
         max_ongoing_requests=ingress.max_ongoing_requests,
         max_queued_requests=ingress.max_ongoing_requests,
         backpressure_config=_BACKPRESSURE,
         ray_actor_options={"num_cpus": ingress.num_cpus},
-    ).bind(config, replicas, control_plane)
+    ).bind(config, replicas, control_plane, batch_jobs)
 
 
 def _draft_replica(config: AppConfig) -> Application | None:

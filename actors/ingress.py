@@ -31,19 +31,15 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.cluster import ClusterCache, IngressReport
-from actors.messages import ReplicaInfo
-from actors.replica_client import ReplicaClient
+from actors.model_endpoint import cluster_cache, connect_endpoint, sync_forever, wait_for_first_view
 from actors.runtime import replica_id
 from actors.serve_internals import serve_send_queue
 from actors.settings import AppConfig
-from app.endpoint import ModelEndpoint
 from app.metric_snapshot import Snapshot
 from app.metrics import Metrics
 from app.openai_server import build_app
 from app.sse import SEND_BACKLOG_KEY
 from engine.process import freeze_startup_heap
-from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("firstlight.ingress")
 
@@ -52,39 +48,28 @@ logger = logging.getLogger("firstlight.ingress")
 @serve.ingress()
 class Ingress:
     async def __init__(
-        self, config: AppConfig, replicas: DeploymentHandle, control_plane: DeploymentHandle
+        self,
+        config: AppConfig,
+        replicas: DeploymentHandle,
+        control_plane: DeploymentHandle,
+        batch_jobs: DeploymentHandle | None = None,  # runs what /v1/batches creates
     ) -> None:
         self.config = config
         self.control_plane = control_plane
         self.ingress_id = replica_id()
         interval = config.ingress.sync_interval_s
-        self.cache = ClusterCache(
-            model=config.served_model_name,
-            stale_after_s=max(3 * interval, config.control_plane.report_ttl_s),
-        )
+        self.cache = cluster_cache(config)
         self.metrics = Metrics(max_label_values=config.max_label_values)  # HTTP metrics only
-        self.client = await ReplicaClient.connect(
-            replicas,
-            config.ingress,
-            owner_id=self.ingress_id,
-            admit=self.cache.admit,
-            stats=self.cache.stats,
-            retry_after=self.cache.retry_after_s,
-            capacity=self.cache.check_capacity,
+        self.client, self.endpoint = await connect_endpoint(
+            config, replicas, self.ingress_id, self.cache
         )
-        async with asyncio.timeout(config.ingress.info_timeout_s):
-            info: ReplicaInfo = await replicas.info.remote()
-        self.endpoint = ModelEndpoint(
-            name=config.served_model_name,
-            tokenizer=await asyncio.to_thread(load_tokenizer, info.model_path),
-            max_model_len=info.max_model_len,
-            client=self.client,
-            root=config.engine.model,
-            # what one replica's engine can ever hold: seats + waiting places
-            max_requests=config.engine.scheduler.max_num_seqs + config.engine.scheduler.max_waiting,
+        self._sync_task = asyncio.create_task(
+            sync_forever(
+                control_plane, self.cache, self.ingress_id, self.metrics.snapshot, interval
+            ),
+            name="ingress-sync",
         )
-        self._sync_task = asyncio.create_task(self._sync_loop(), name="ingress-sync")
-        await self._wait_for_first_view(timeout_s=max(5.0, 10 * interval))
+        await wait_for_first_view(self.cache, timeout_s=max(5.0, 10 * interval))
         freeze_startup_heap()
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -96,33 +81,6 @@ class Ingress:
 
     async def _others(self) -> Iterable[Snapshot]:
         return [self.cache.snapshot.metrics]
-
-    # -- the control-plane sync ----------------------------------------------------------
-
-    async def _sync_once(self) -> None:
-        report = IngressReport(self.ingress_id, self.metrics.snapshot())
-        async with asyncio.timeout(max(1.0, 4 * self.config.ingress.sync_interval_s)):
-            snapshot = await self.control_plane.sync.remote(report)
-        self.cache.update(snapshot)
-
-    async def _sync_loop(self) -> None:
-        while True:
-            try:
-                await self._sync_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the cache goes stale; requests still flow
-                logger.debug("control plane sync failed: %r", exc)
-            await asyncio.sleep(self.config.ingress.sync_interval_s)
-
-    async def _wait_for_first_view(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.cache.seen_replica and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if not self.cache.seen_replica:
-            logger.warning(
-                "no replica in the cluster view after %.0f s; starting anyway", timeout_s
-            )
 
     async def __del__(self) -> None:
         task = getattr(self, "_sync_task", None)

@@ -77,7 +77,7 @@ class IngressSettings(BaseModel):
     token_path: Literal["channel", "stream"] = "channel"
     channel_tcp_host: str = "auto"
     transport: Literal["grpc", "actor"] = "grpc"
-    num_cpus: float = Field(0.5, ge=0)
+    num_cpus: float = Field(0.4, ge=0)
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(512, ge=1)  # concurrent HTTP requests per ingress
     sync_interval_s: float = Field(0.5, gt=0)  # metrics push + cluster-view refresh period
@@ -112,6 +112,14 @@ class DraftReplicaSettings(BaseModel):
     address_refresh_s: float = Field(1.0, gt=0)  # how often a target without one asks again
 
 
+class BatchJobsSettings(BaseModel):
+    """The BatchJobs deployment (actors/batch_jobs.py), deployed when `batch.enabled`."""
+
+    model_config = _SECTION
+
+    num_cpus: float = Field(0.1, ge=0)
+
+
 class ControlPlaneSettings(BaseModel):
     model_config = _SECTION
 
@@ -127,6 +135,7 @@ class AppConfig(Settings):
     ingress: IngressSettings = IngressSettings()
     control_plane: ControlPlaneSettings = ControlPlaneSettings()
     draft_replica: DraftReplicaSettings = DraftReplicaSettings()
+    batch_jobs: BatchJobsSettings = BatchJobsSettings()
 
     @property
     def uses_draft_replica(self) -> bool:

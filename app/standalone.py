@@ -30,7 +30,7 @@ from app.settings import Settings, StandaloneSettings
 DEFAULT_CONFIG = Path("serve_config.yaml")
 APP_IMPORT_PATH = "actors.builder:build_app"
 # `args` sections only Serve mode reads (actors.settings.AppConfig's own fields)
-SERVE_ONLY_SECTIONS = ("replica", "ingress", "control_plane", "draft_replica")
+SERVE_ONLY_SECTIONS = ("replica", "ingress", "control_plane", "draft_replica", "batch_jobs")
 
 _ENGINE_FLAGS = ("model", "device", "dtype")  # flags that set `engine.<name>`
 

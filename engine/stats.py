@@ -141,6 +141,7 @@ def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
             max_waiting=sum(p.admission.max_waiting for p in parts),
             interactive_reserve=sum(p.admission.interactive_reserve for p in parts),
             drain_rate_per_s=sum(rates) if rates else None,
+            max_running=sum(p.admission.max_running for p in parts),
         ),
         num_preemptions=sum(p.num_preemptions for p in parts),
         num_aborted=sum(p.num_aborted for p in parts),

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.batch.store import BatchRow, BatchStore, new_id
+from app.metric_snapshot import Snapshot
 from app.openai.complete import complete
 from app.openai.errors import APIError, to_api_error
 from app.openai.prepare import OpenAILayer
@@ -63,6 +64,28 @@ class BatchRunner:
         self._loop_task: asyncio.Task | None = None
         self.in_flight = 0
         self.lines_run = 0  # lines this runner sent to the engines (not counting retries)
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    def snapshot(self) -> Snapshot:
+        """Progress as metric families (merged into `/metrics` like any process's)."""
+
+        def family(kind: str, doc: str, value: float) -> dict[str, Any]:
+            return {"type": kind, "help": doc, "labels": [], "series": [
+                {"labels": [], "value": float(value)}]}  # fmt: skip
+
+        active = sum(1 for t in self._running.values() if not t.done())
+        return {
+            "firstlight_batch_lines_run": family(
+                "counter", "Batch lines sent to the engines.", self.lines_run
+            ),
+            "firstlight_batch_lines_in_flight": family(
+                "gauge", "Batch lines in the engines now.", self.in_flight
+            ),
+            "firstlight_batch_active": family("gauge", "Batches running now.", active),
+        }
 
     def start(self) -> None:
         """Run `run_forever` in the background of the running loop (`stop` ends it)."""

@@ -33,6 +33,7 @@ def test_shipped_serve_config_is_valid_and_fits_two_cores():
         + config.control_plane.num_cpus
         + config.replica.num_cpus * config.replica.autoscaling.max_replicas
         + (config.draft_replica.num_cpus if config.uses_draft_replica else 0.0)
+        + (config.batch_jobs.num_cpus if config.batch.enabled else 0.0)
     )
     assert cpus <= 2.0 + 1e-9
     assert config.uses_draft_replica  # the demo speculates with its DraftReplica
@@ -136,8 +137,9 @@ def test_the_application_wires_three_deployments():
     app = application(load_config({"replica": {"autoscaling": {"max_replicas": 1}}}))
     ingress = bound_deployment(app)
     assert ingress.name == "Ingress"
-    _, replicas, control_plane = (bound_deployment(a) for a in ingress.init_args)
+    _, replicas, control_plane, batch_jobs = (bound_deployment(a) for a in ingress.init_args)
     assert (replicas.name, control_plane.name) == ("ModelReplica", "ControlPlane")
+    assert batch_jobs.name == "BatchJobs"
     autoscaling = deployment_config(replicas).autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 1)
     router = deployment_config(replicas).request_router_config
@@ -162,7 +164,7 @@ def test_the_application_wires_three_deployments():
 )
 def test_a_draft_replica_is_wired_only_when_drafts_come_from_one(args, draft):
     app = application(load_config(args))
-    _, replicas, _ = (bound_deployment(a) for a in bound_deployment(app).init_args)
+    _, replicas, _, _ = (bound_deployment(a) for a in bound_deployment(app).init_args)
     draft_arg = replicas.init_args[2]
     if draft:
         deployment = bound_deployment(draft_arg)

@@ -1,0 +1,90 @@
+"""What every deployment that sends requests to the model replicas shares (the Ingress, and
+BatchJobs): a `ReplicaClient` over the ModelReplica handle, admitted and routed by a local
+`ClusterCache`, the `ModelEndpoint` the OpenAI layer serves, and the loop that keeps the
+cache fresh from the control plane (pushing the caller's own metrics on the way)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from ray.serve.handle import DeploymentHandle
+
+from actors.cluster import ClusterCache, IngressReport
+from actors.messages import ReplicaInfo
+from actors.replica_client import ReplicaClient
+from actors.settings import AppConfig
+from app.endpoint import ModelEndpoint
+from app.metric_snapshot import Snapshot
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger("firstlight.ingress")
+
+
+def cluster_cache(config: AppConfig) -> ClusterCache:
+    interval = config.ingress.sync_interval_s
+    return ClusterCache(
+        model=config.served_model_name,
+        stale_after_s=max(3 * interval, config.control_plane.report_ttl_s),
+    )
+
+
+async def connect_endpoint(
+    config: AppConfig, replicas: DeploymentHandle, owner_id: str, cache: ClusterCache
+) -> tuple[ReplicaClient, ModelEndpoint]:
+    """A client of the replicas and the endpoint over it (waits for a replica's info; the
+    tokenizer loads on this node from the path the replica reports)."""
+    client = await ReplicaClient.connect(
+        replicas,
+        config.ingress,
+        owner_id=owner_id,
+        admit=cache.admit,
+        stats=cache.stats,
+        retry_after=cache.retry_after_s,
+        capacity=cache.check_capacity,
+    )
+    async with asyncio.timeout(config.ingress.info_timeout_s):
+        info: ReplicaInfo = await replicas.info.remote()
+    scheduler = config.engine.scheduler
+    endpoint = ModelEndpoint(
+        name=config.served_model_name,
+        tokenizer=await asyncio.to_thread(load_tokenizer, info.model_path),
+        max_model_len=info.max_model_len,
+        client=client,
+        root=config.engine.model,
+        # what one replica's engine can ever hold: seats + waiting places
+        max_requests=scheduler.max_num_seqs + scheduler.max_waiting,
+    )
+    return client, endpoint
+
+
+async def sync_forever(
+    control_plane: DeploymentHandle,
+    cache: ClusterCache,
+    reporter_id: str,
+    metrics: Callable[[], Snapshot],
+    interval_s: float,
+) -> None:
+    """Push `metrics()` and refresh `cache` every `interval_s`; a failed sync leaves the
+    cache to go stale (requests still flow)."""
+    while True:
+        try:
+            report = IngressReport(reporter_id, metrics())
+            async with asyncio.timeout(max(1.0, 4 * interval_s)):
+                snapshot = await control_plane.sync.remote(report)
+            cache.update(snapshot)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.debug("control plane sync failed: %r", exc)
+        await asyncio.sleep(interval_s)
+
+
+async def wait_for_first_view(cache: ClusterCache, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cache.seen_replica and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not cache.seen_replica:
+        logger.warning("no replica in the cluster view after %.0f s; starting anyway", timeout_s)
