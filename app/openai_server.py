@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
+from app.auth import AuthMiddleware, load_keys
 from app.batch.routes import install_batch_routes
 from app.batch.store import BatchStore
 from app.endpoint import Endpoints, ModelEndpoint
@@ -87,6 +88,9 @@ def build_app(
     app = FastAPI(title="firstlight", lifespan=lifespan)
     app.state.firstlight = ctx
     install_error_handlers(app)
+    keys = load_keys(settings.auth)
+    if keys:  # inside EdgeMiddleware (added below): a 401 carries the request id
+        app.add_middleware(AuthMiddleware, keys=keys)
     large = (
         {"/v1/files": settings.batch.max_file_bytes + 64 * 1024} if settings.batch.enabled else {}
     )

@@ -30,6 +30,15 @@ from app.config_schema import validated
 from engine.config import EngineConfig
 
 
+class AuthSettings(BaseModel):
+    """API keys for `/v1` routes (app/auth.py); none configured: no keys required."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    api_keys: list[str] = Field(default_factory=list)
+    api_keys_file: str = ""  # one key per line
+
+
 class BatchSettings(BaseModel):
     """Batch jobs (`/v1/files`, `/v1/batches`; app/batch/). `directory` holds the SQLite
     store and the files (empty: `$FIRSTLIGHT_HOME/batches`; on a cluster, a path every node
@@ -86,6 +95,7 @@ class Settings(BaseSettings):
     engine: validated(EngineConfig) = EngineConfig()  # type: ignore[valid-type]
     policies: PolicySettings = PolicySettings()
     batch: BatchSettings = BatchSettings()
+    auth: AuthSettings = AuthSettings()
 
     @model_validator(mode="before")
     @classmethod

@@ -187,11 +187,11 @@ class BatchRunner:
     ) -> None:
         request_id = new_id("batch_req")
         if isinstance(line, str):  # the line itself is unusable: why
-            self._error(batch, number, custom_id, request_id, 400, "invalid_request", line)
+            self._error(batch, number, custom_id, request_id, "invalid_request", line)
             return
         if line["url"] != batch.endpoint:
             message = f"url {line['url']!r} is not this batch's endpoint {batch.endpoint!r}"
-            self._error(batch, number, custom_id, request_id, 400, "invalid_request", message)
+            self._error(batch, number, custom_id, request_id, "invalid_request", message)
             return
         self.lines_run += 1
         while True:
@@ -238,7 +238,6 @@ class BatchRunner:
         number: int,
         custom_id: str,
         request_id: str,
-        status: int,
         code: str,
         message: str,
     ) -> None:
@@ -253,7 +252,10 @@ class BatchRunner:
     # -- the end -----------------------------------------------------------------------------
 
     def _finish(self, batch: BatchRow, status: str) -> None:
-        """Write the output and error files from the stored results, then the final status."""
+        """Write the output and error files from the stored results, then the final status.
+        An expired batch's lines that never ran are error entries (`batch_expired`)."""
+        if status == "expired":
+            self._expire_rest(batch)
         fields: dict[str, Any] = {}
         for ok, name in ((True, "output_file_id"), (False, "error_file_id")):
             file_id = new_id("file")
@@ -276,6 +278,18 @@ class BatchRunner:
                 tmp.unlink(missing_ok=True)
         self.store.set_status(batch.id, status, only_from=(*_ACTIVE_ENDS,), **fields)
         logger.info("batch %s %s", batch.id, status)
+
+    def _expire_rest(self, batch: BatchRow) -> None:
+        done = self.store.done_custom_ids(batch.id)
+        with self.store.file_path(batch.input_file_id).open("rb") as lines:
+            for number, raw in enumerate(lines):
+                if not raw.strip():
+                    continue
+                custom_id = _parse_line(raw)[0] or f"line-{number}"
+                if custom_id not in done:
+                    message = "the batch expired before this line ran"
+                    rid = new_id("batch_req")
+                    self._error(batch, number, custom_id, rid, "batch_expired", message)
 
 
 _ACTIVE_ENDS = ("in_progress", "finalizing", "cancelling", "validating")

@@ -1,0 +1,46 @@
+"""The batch store and runner below HTTP: a result is stored once whoever records it, and a
+batch past its completion window ends `expired` with its unrun lines as error entries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from app.batch.runner import BatchRunner
+from app.batch.store import BatchStore, new_id
+
+
+def test_a_result_is_stored_once_and_counted_once(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    batch = store.add_batch("", "file-x", "/v1/completions", "24h", 3600, 2, None)
+    assert store.record_result(batch.id, 0, "a", True, {"n": 1})
+    assert not store.record_result(batch.id, 0, "a", False, {"n": 2})  # a second runner
+    again = BatchStore(tmp_path)  # another process on the same directory
+    assert not again.record_result(batch.id, 0, "a", True, {"n": 3})
+    row = again.get_batch(batch.id, None)
+    assert row is not None and (row.completed, row.failed) == (1, 0)
+    assert [json.loads(b) for b in again.results(batch.id, True)] == [{"n": 1}]
+    assert store.get_batch(batch.id, "someone else") is None
+
+
+async def test_an_expired_batch_lists_its_unrun_lines_as_errors(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    file_id = new_id("file")
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/completions", "body": {}}
+             for i in range(3)]  # fmt: skip
+    store.file_path(file_id).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    store.add_file(file_id, "", "e.jsonl", "batch", 1, 3)
+    batch = store.add_batch("", file_id, "/v1/completions", "1m", -1, 3, None)  # already past
+    store.record_result(batch.id, 0, "e0", True, {"custom_id": "e0"})
+    never_called: Any = None  # the runner never reaches the OpenAI layer for an expired batch
+    await BatchRunner(store, never_called, lambda: 4).run_batch(batch.id)
+    done = store.get_batch(batch.id, None)
+    assert done is not None and done.status == "expired" and "expired_at" in done.times
+    assert (done.completed, done.failed) == (1, 2)
+    assert done.error_file_id is not None
+    errors = [json.loads(x) for x in store.file_path(done.error_file_id).read_text().splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("e1", "batch_expired"),
+        ("e2", "batch_expired"),
+    ]
