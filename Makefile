@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.firstlight-setup
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup browser demo serve standalone screenshot test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec clean
+.PHONY: setup browser demo serve standalone screenshot test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec bench-batch clean
 
 setup: $(STAMP) browser
 
@@ -74,6 +74,9 @@ bench-routing: setup demo
 
 bench-spec: setup demo
 	$(PY) bench/spec.py
+
+bench-batch: setup demo
+	$(PY) bench/batch.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -44,7 +44,10 @@ class BatchJobs:
         classifier = create(RequestClassPolicy, config.request_class_policy)
         layer = OpenAILayer(Endpoints([endpoint]), classifier, max_n=config.max_n)
         self.store = BatchStore(config.batch.path())
-        self.runner = BatchRunner(self.store, layer, lambda: spare_capacity(self.cache.stats()))
+        share = config.batch.busy_share
+        self.runner = BatchRunner(
+            self.store, layer, lambda: spare_capacity(self.cache.stats(), share)
+        )
         sync = sync_forever(control_plane, self.cache, self.id, self.runner.snapshot, interval)
         self._sync_task = asyncio.create_task(sync, name="batch-sync")
         await wait_for_first_view(self.cache, timeout_s=max(5.0, 10 * interval))

@@ -98,7 +98,8 @@ def build_standalone(settings: Settings) -> FastAPI:
         await engine.warmup()  # as a ModelReplica does: the first request is not the warm-up
         await engine.start()
         freeze_startup_heap()
-        batches = _batch_runner(app, lambda: spare_capacity(engine.stats()))
+        share = settings.batch.busy_share
+        batches = _batch_runner(app, lambda: spare_capacity(engine.stats(), share))
         try:
             yield
         finally:

@@ -6,8 +6,9 @@ runner left: a restarted runner resumes them) and runs each:
 
 * validating → in_progress; lines whose results are stored already are skipped (they ran
   before a restart), the rest run with at most `capacity()` in flight, re-read before each
-  launch: the spare seats of the engines (`spare_capacity`), so the batch fills the fleet
-  when interactive load falls and backs off when it rises;
+  launch (`spare_capacity`: every seat while no interactive request is in the engines, a
+  small share while some are), so the batch fills the fleet when interactive load falls and
+  backs off when it rises;
 * a line that is not valid JSON, lacks `custom_id`/`method`/`url`/`body`, names another
   endpoint, or is refused by the OpenAI layer (bad parameters, unknown model) becomes an
   entry of the error file; an overloaded engine (429) or a missing replica (503) makes the
@@ -40,11 +41,16 @@ RETRY_S = 0.5  # wait before retrying a line the engines could not take
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
-def spare_capacity(stats: EngineStats) -> int:
-    """Lines the engines can take now without anyone waiting: free seats (at least 1, so a
-    batch always moves)."""
+def spare_capacity(stats: EngineStats, busy_share: float = 0.25) -> int:
+    """How many batch lines may be in the engines now: every seat interactive requests do not
+    hold while there are none, and at most `busy_share` of the seats while there are (a big
+    bulk batch makes every engine step, and so every interactive token, slower). At least 1,
+    so a batch always moves."""
     seats = stats.admission.max_running
-    return max(1, seats - stats.running.total - stats.waiting.total)
+    interactive = stats.running.interactive + stats.waiting.interactive
+    if interactive == 0:
+        return max(1, seats)
+    return max(1, min(seats - interactive, int(seats * busy_share)))
 
 
 class BatchRunner:

@@ -44,3 +44,22 @@ async def test_an_expired_batch_lists_its_unrun_lines_as_errors(tmp_path: Path) 
         ("e1", "batch_expired"),
         ("e2", "batch_expired"),
     ]
+
+
+def test_batches_fill_idle_engines_and_back_off_under_interactive_load() -> None:
+    from app.batch.runner import spare_capacity
+    from engine.stats import AdmissionStats, ClassCounts, EngineStats, KVStats
+
+    def stats(running: ClassCounts, waiting: ClassCounts = ClassCounts()) -> EngineStats:
+        return EngineStats(
+            model="m",
+            running=running,
+            waiting=waiting,
+            kv=KVStats(10, 10, 0.0, 0, 0),
+            admission=AdmissionStats(16, 4, None, max_running=32),
+        )
+
+    assert spare_capacity(stats(ClassCounts(bulk=20))) == 32  # its own lines count as bulk
+    assert spare_capacity(stats(ClassCounts(interactive=3, bulk=20))) == 8  # a quarter
+    assert spare_capacity(stats(ClassCounts(interactive=30))) == 2
+    assert spare_capacity(stats(ClassCounts(interactive=32), ClassCounts(interactive=5))) == 1

@@ -1,0 +1,224 @@
+"""Batch jobs benchmark: a 2,000-line batch through the `serve_config.yaml` application (one
+model replica of the demo model), against interactive chat and against the engine alone.
+
+    python bench/batch.py [--lines 2000] [--chat-s 20]
+
+Prints progress, then as its LAST line one JSON object, from one run:
+  interactive_ttft_p95_ratio  chat TTFT p95 while the batch runs / with no batch, the same
+                              steady chat load (4 requests/s)                  (target <= 1.2)
+  batch_tokens_per_s_ratio    output tokens/s of the batch with no chat load / the same
+                              lines sent straight to an in-process engine of the same
+                              config at its best concurrency (all seats)       (target >= 0.8)
+  batch_lines_ok              lines answered with status 200        (must equal the line count)
+  duplicate_lines             custom_ids answered more than once                  (must be 0)
+
+The engine-alone baseline runs first, before Ray starts, so the two never share the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.overhead import (
+    app_args,
+    free_port,
+    log,
+    percentile,
+    serve_config,
+    start_ray_serve,
+    stop_serve,
+)
+from demo.corpus import SHOWCASE_PROMPTS
+
+MAX_TOKENS = 24
+
+
+def batch_lines(n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "demo",
+                "messages": [{"role": "user", "content": SHOWCASE_PROMPTS[i % 8] + f" ({i})"}],
+                "max_tokens": MAX_TOKENS,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def app_settings(directory: str) -> dict[str, Any]:
+    args = app_args()
+    args["replica"] = {**args.get("replica", {}), "autoscaling": {"max_replicas": 1}}
+    args["batch"] = {**args.get("batch", {}), "directory": directory}
+    return args
+
+
+async def engine_alone(lines: list[dict[str, Any]], args: dict[str, Any]) -> float:
+    """Output tokens/s of the lines sent straight to an in-process engine, all seats busy."""
+    from actors.builder import load_config
+    from app.endpoint import Endpoints, ModelEndpoint
+    from app.openai.complete import complete
+    from app.openai.prepare import OpenAILayer
+    from demo.paths import resolve_model
+    from engine.async_engine import AsyncEngine
+    from policies.base import create
+    from policies.request_class import RequestClassPolicy
+
+    config = load_config(args)
+    engine = AsyncEngine.from_config(config.engine, resolve_model=resolve_model)
+    await engine.warmup()
+    await engine.start()
+    endpoint = ModelEndpoint(
+        name="demo", tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
+        client=engine, root="demo",
+    )  # fmt: skip
+    layer = OpenAILayer(Endpoints([endpoint]), create(RequestClassPolicy, "header"), max_n=1)
+    seats = asyncio.Semaphore(config.engine.scheduler.max_num_seqs)
+    tokens = 0
+
+    async def one(line: dict[str, Any]) -> None:
+        nonlocal tokens
+        async with seats:
+            job = await layer.prepare(line["url"], line["body"], headers={}, request_id="r")
+            tokens += (await complete(job))["usage"]["completion_tokens"]
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(line) for line in lines))
+    seconds = time.perf_counter() - start
+    await engine.shutdown()
+    return tokens / seconds
+
+
+async def chat_ttfts(base: str, seconds: float, rate: float = 4.0) -> list[float]:
+    """TTFT of streamed chats sent at `rate` per second for `seconds`."""
+    out: list[float] = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": SHOWCASE_PROMPTS[i % 8]}],
+            "max_tokens": 16,
+            "stream": True,
+            "temperature": 0,
+        }
+        start = time.perf_counter()
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if '"content"' in line:
+                    out.append(time.perf_counter() - start)
+                    break
+            async for _ in r.aiter_raw():
+                pass
+
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        tasks = []
+        for i in range(int(seconds * rate)):
+            tasks.append(asyncio.create_task(one(client, i)))
+            await asyncio.sleep(1 / rate)
+        await asyncio.gather(*tasks)
+    return out
+
+
+def submit(client: openai.OpenAI, lines: list[dict[str, Any]]) -> str:
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    file = client.files.create(file=("bench.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    return batch.id
+
+
+def wait_done(client: openai.OpenAI, batch_id: str, timeout: float = 900) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        time.sleep(0.5)
+    raise RuntimeError(f"batch {batch_id} did not finish")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lines", type=int, default=2000)
+    parser.add_argument("--chat-s", type=float, default=20.0)
+    opts = parser.parse_args()
+    lines = batch_lines(opts.lines)
+    with tempfile.TemporaryDirectory(prefix="fl-bench-batch-") as directory:
+        args = app_settings(directory)
+        direct = asyncio.run(engine_alone(lines, args))
+        log(f"engine alone: {direct:.0f} output tokens/s")
+
+        from ray import serve
+
+        from actors.builder import application, load_config
+
+        port = free_port()
+        temp_dir = tempfile.mkdtemp(prefix="fl-bench-batch-ray-")
+        start_ray_serve("firstlight-bench-batch", port, serve_config().get("controller_options"),
+                        temp_dir)  # fmt: skip
+        try:
+            serve.run(application(load_config(args)), name="firstlight", route_prefix="/")
+            base = f"http://127.0.0.1:{port}"
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=2)
+            asyncio.run(chat_ttfts(base, 3))  # warm-up
+            quiet = asyncio.run(chat_ttfts(base, opts.chat_s))
+            log(f"chat TTFT p95 without a batch: {percentile(quiet, 0.95) * 1e3:.1f} ms")
+
+            started = time.perf_counter()
+            batch = wait_done(client, submit(client, lines))
+            seconds = time.perf_counter() - started
+            out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.split()]
+            tokens = sum(o["response"]["body"]["usage"]["completion_tokens"] for o in out)
+            alone = tokens / seconds
+            ok = sum(1 for o in out if o["response"]["status_code"] == 200)
+            dupes = sum(n - 1 for n in Counter(o["custom_id"] for o in out).values() if n > 1)
+            log(f"batch alone: {alone:.0f} output tokens/s, {ok} lines ok in {seconds:.0f} s")
+
+            busy_id = submit(client, lines)
+            while client.batches.retrieve(busy_id).request_counts.completed < 50:
+                time.sleep(0.2)
+            busy = asyncio.run(chat_ttfts(base, opts.chat_s))
+            progress = client.batches.retrieve(busy_id).request_counts.completed
+            client.batches.cancel(busy_id)
+            log(
+                f"chat TTFT p95 with a batch running: {percentile(busy, 0.95) * 1e3:.1f} ms "
+                f"(the batch did {progress} lines meanwhile; median "
+                f"{statistics.median(busy) * 1e3:.1f} vs {statistics.median(quiet) * 1e3:.1f} ms)"
+            )
+        finally:
+            stop_serve()
+    result = {
+        "interactive_ttft_p95_ratio": round(percentile(busy, 0.95) / percentile(quiet, 0.95), 3),
+        "batch_tokens_per_s_ratio": round(alone / direct, 3),
+        "batch_lines_ok": ok,
+        "duplicate_lines": dupes,
+        "lines": opts.lines,
+        "batch_tokens_per_s": round(alone),
+        "engine_tokens_per_s": round(direct),
+    }
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
