@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from actors.model_endpoint import cluster_cache, connect_endpoint, sync_forever, wait_for_first_view
 from actors.runtime import replica_id
 from actors.settings import AppConfig
-from app.batch.runner import BatchRunner, spare_capacity
+from app.batch.runner import BatchRunner, BulkThrottle
 from app.batch.store import BatchStore
 from app.endpoint import Endpoints
 from app.openai.prepare import OpenAILayer
@@ -44,10 +44,8 @@ class BatchJobs:
         classifier = create(RequestClassPolicy, config.request_class_policy)
         layer = OpenAILayer(Endpoints([endpoint]), classifier, max_n=config.max_n)
         self.store = BatchStore(config.batch.path())
-        share = config.batch.busy_share
-        self.runner = BatchRunner(
-            self.store, layer, lambda: spare_capacity(self.cache.stats(), share)
-        )
+        throttle = BulkThrottle(self.cache.stats, config.batch.busy_share, config.batch.busy_hold_s)
+        self.runner = BatchRunner(self.store, layer, throttle)
         sync = sync_forever(control_plane, self.cache, self.id, self.runner.snapshot, interval)
         self._sync_task = asyncio.create_task(sync, name="batch-sync")
         await wait_for_first_view(self.cache, timeout_s=max(5.0, 10 * interval))

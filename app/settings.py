@@ -52,7 +52,8 @@ class BatchSettings(BaseModel):
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)
     max_lines: int = Field(50_000, ge=1)
     max_completion_window_s: int = Field(7 * 24 * 3600, ge=60)
-    busy_share: float = Field(0.25, gt=0, le=1)  # of the seats, while interactive load runs
+    busy_share: float = Field(0.125, gt=0, le=1)  # of the seats, while interactive load runs
+    busy_hold_s: float = Field(5.0, ge=0)  # how long after the last interactive request
 
     def path(self) -> Path:
         if self.directory:

@@ -22,7 +22,7 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 
-from app.batch.runner import BatchRunner, spare_capacity
+from app.batch.runner import BatchRunner, BulkThrottle
 from app.endpoint import ModelEndpoint
 from app.openai_server import build_app
 from app.settings import Settings, StandaloneSettings
@@ -98,8 +98,9 @@ def build_standalone(settings: Settings) -> FastAPI:
         await engine.warmup()  # as a ModelReplica does: the first request is not the warm-up
         await engine.start()
         freeze_startup_heap()
-        share = settings.batch.busy_share
-        batches = _batch_runner(app, lambda: spare_capacity(engine.stats(), share))
+        batch = settings.batch
+        throttle = BulkThrottle(engine.stats, batch.busy_share, batch.busy_hold_s)
+        batches = _batch_runner(app, throttle)
         try:
             yield
         finally:

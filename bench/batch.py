@@ -99,8 +99,10 @@ async def engine_alone(lines: list[dict[str, Any]], args: dict[str, Any]) -> flo
     async def one(line: dict[str, Any]) -> None:
         nonlocal tokens
         async with seats:
-            job = await layer.prepare(line["url"], line["body"], headers={}, request_id="r")
-            tokens += (await complete(job))["usage"]["completion_tokens"]
+            rid = line["custom_id"]
+            job = await layer.prepare(line["url"], line["body"], headers={}, request_id=rid)
+            response = await complete(job)
+        tokens += response["usage"]["completion_tokens"]  # after the await: no lost update
 
     start = time.perf_counter()
     await asyncio.gather(*(one(line) for line in lines))
@@ -122,13 +124,13 @@ async def chat_ttfts(base: str, seconds: float, rate: float = 4.0) -> list[float
             "temperature": 0,
         }
         start = time.perf_counter()
+        first = None
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             async for line in r.aiter_lines():
-                if '"content"' in line:
-                    out.append(time.perf_counter() - start)
-                    break
-            async for _ in r.aiter_raw():
-                pass
+                if first is None and '"content"' in line:
+                    first = time.perf_counter() - start
+        if first is not None:
+            out.append(first)
 
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
         tasks = []
@@ -188,7 +190,9 @@ def main() -> None:
             started = time.perf_counter()
             batch = wait_done(client, submit(client, lines))
             seconds = time.perf_counter() - started
-            out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.split()]
+            out = [
+                json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()
+            ]
             tokens = sum(o["response"]["body"]["usage"]["completion_tokens"] for o in out)
             alone = tokens / seconds
             ok = sum(1 for o in out if o["response"]["status_code"] == 200)

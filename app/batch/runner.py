@@ -41,16 +41,38 @@ RETRY_S = 0.5  # wait before retrying a line the engines could not take
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
-def spare_capacity(stats: EngineStats, busy_share: float = 0.25) -> int:
+def spare_capacity(stats: EngineStats, busy_share: float = 0.125, busy: bool = False) -> int:
     """How many batch lines may be in the engines now: every seat interactive requests do not
-    hold while there are none, and at most `busy_share` of the seats while there are (a big
-    bulk batch makes every engine step, and so every interactive token, slower). At least 1,
-    so a batch always moves."""
+    hold while there are none, and at most `busy_share` of the seats while there are, or
+    while `busy` says there were lately (a big bulk batch makes every engine step, and so
+    every interactive token, slower). At least 1, so a batch always moves."""
     seats = stats.admission.max_running
     interactive = stats.running.interactive + stats.waiting.interactive
-    if interactive == 0:
+    if interactive == 0 and not busy:
         return max(1, seats)
     return max(1, min(seats - interactive, int(seats * busy_share)))
+
+
+class BulkThrottle:
+    """`spare_capacity` over a stats source, staying in the busy share for `hold_s` after
+    interactive requests were last seen: chats are short, so the moments a stats snapshot
+    shows none do not mean interactive load has stopped."""
+
+    def __init__(
+        self, stats: Callable[[], EngineStats], busy_share: float, hold_s: float = 5.0
+    ) -> None:
+        self.stats = stats
+        self.busy_share = busy_share
+        self.hold_s = hold_s
+        self._last_seen = float("-inf")
+
+    def __call__(self) -> int:
+        stats = self.stats()
+        now = time.monotonic()
+        if stats.running.interactive + stats.waiting.interactive:
+            self._last_seen = now
+        busy = now - self._last_seen < self.hold_s
+        return spare_capacity(stats, self.busy_share, busy)
 
 
 class BatchRunner:

@@ -1,6 +1,8 @@
-"""Batch jobs on a real Ray Serve with the demo model, through the OpenAI Python SDK: the
-BatchJobs actor killed mid-batch is replaced, and the batch completes with every custom_id
-exactly once in the output; its progress reaches `/metrics`."""
+"""Batch jobs on a real Ray Serve with the demo model and API keys on, through the OpenAI
+Python SDK: cancel keeps finished results; refusals name their parameter; a second key sees
+none of the first key's files or batches; and the BatchJobs actor killed mid-batch is
+replaced, the batch completing with every custom_id exactly once (its progress in
+`/metrics`). The module kills BatchJobs last."""
 
 from __future__ import annotations
 
@@ -26,12 +28,22 @@ LINES = 24
 def base_url() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="fl-batch-") as directory:
         config = small_config(
-            batch={"directory": directory},
+            batch={"directory": directory, "max_lines": 100},
+            auth={"api_keys": ["alice", "bob"]},
             replica={"autoscaling": {"min_replicas": 1, "max_replicas": 1}},
             ingress={"sync_interval_s": 0.2},
         )
         with serve_app(config, namespace="firstlight-batch-tests") as url:
             yield url
+
+
+def sdk(base_url: str, key: str = "alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0)
+
+
+def upload(client: openai.OpenAI, lines: list[str]) -> Any:
+    data = ("\n".join(lines) + "\n").encode()
+    return client.files.create(file=("k.jsonl", io.BytesIO(data)), purpose="batch")
 
 
 def line(i: int) -> str:
@@ -47,12 +59,50 @@ def line(i: int) -> str:
     )
 
 
+def test_cancel_keeps_finished_lines_and_refusals_name_the_parameter(base_url) -> None:
+    client = sdk(base_url)
+    file = upload(client, [line(i) for i in range(40)])
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    client.batches.cancel(batch.id)
+    while (done := client.batches.retrieve(batch.id)).status != "cancelled":
+        assert time.monotonic() < deadline + 60, done.status
+        time.sleep(0.2)
+    assert done.output_file_id is not None
+    kept = client.files.content(done.output_file_id).text.splitlines()
+    assert 2 <= len(kept) < 40
+    with pytest.raises(openai.BadRequestError, match="more than 100 lines"):
+        upload(client, [line(i) for i in range(101)])
+    twice = upload(client, [line(1), line(1)])
+    with pytest.raises(openai.BadRequestError) as repeat:
+        client.batches.create(
+            input_file_id=twice.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert repeat.value.body["param"] == "input_file_id"
+    with pytest.raises(openai.AuthenticationError):
+        sdk(base_url, key="mallory").files.list()
+
+
+def test_a_second_key_sees_nothing_of_the_first(base_url) -> None:
+    alice, bob = sdk(base_url), sdk(base_url, key="bob")
+    file = upload(alice, [line(0)])
+    with pytest.raises(openai.NotFoundError):
+        bob.files.retrieve(file.id)
+    assert file.id not in [f.id for f in bob.files.list().data]
+    assert file.id in [f.id for f in alice.files.list().data]
+    assert not [b for b in bob.batches.list().data]
+
+
 def test_killing_batch_jobs_mid_batch_still_answers_every_line_exactly_once(base_url) -> None:
     import ray
 
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    data = ("\n".join(line(i) for i in range(LINES)) + "\n").encode()
-    file = client.files.create(file=("k.jsonl", io.BytesIO(data)), purpose="batch")
+    client = sdk(base_url)
+    file = upload(client, [line(i) for i in range(LINES)])
     batch = client.batches.create(
         input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
     )

@@ -47,7 +47,7 @@ async def test_an_expired_batch_lists_its_unrun_lines_as_errors(tmp_path: Path) 
 
 
 def test_batches_fill_idle_engines_and_back_off_under_interactive_load() -> None:
-    from app.batch.runner import spare_capacity
+    from app.batch.runner import BulkThrottle, spare_capacity
     from engine.stats import AdmissionStats, ClassCounts, EngineStats, KVStats
 
     def stats(running: ClassCounts, waiting: ClassCounts = ClassCounts()) -> EngineStats:
@@ -60,6 +60,14 @@ def test_batches_fill_idle_engines_and_back_off_under_interactive_load() -> None
         )
 
     assert spare_capacity(stats(ClassCounts(bulk=20))) == 32  # its own lines count as bulk
-    assert spare_capacity(stats(ClassCounts(interactive=3, bulk=20))) == 8  # a quarter
-    assert spare_capacity(stats(ClassCounts(interactive=30))) == 2
+    assert spare_capacity(stats(ClassCounts(interactive=3, bulk=20)), 0.25) == 8  # a quarter
+    assert spare_capacity(stats(ClassCounts(interactive=30)), 0.25) == 2
     assert spare_capacity(stats(ClassCounts(interactive=32), ClassCounts(interactive=5))) == 1
+    assert spare_capacity(stats(ClassCounts(bulk=3)), 0.125, busy=True) == 4
+    # The throttle stays busy for a while after the last interactive request it saw.
+    now = [stats(ClassCounts(interactive=1))]
+    throttle = BulkThrottle(lambda: now[0], busy_share=0.125, hold_s=60)
+    assert throttle() == 4
+    now[0] = stats(ClassCounts())
+    assert throttle() == 4  # no chat in this snapshot: still held
+    assert BulkThrottle(lambda: now[0], busy_share=0.125, hold_s=0)() == 32
