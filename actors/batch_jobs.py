@@ -13,13 +13,18 @@ the control plane, like an ingress's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.model_endpoint import cluster_cache, connect_endpoint, sync_forever, wait_for_first_view
+from actors.model_endpoint import (
+    cluster_cache,
+    connect_endpoint,
+    disconnect,
+    sync_forever,
+    wait_for_first_view,
+)
 from actors.runtime import replica_id
 from actors.settings import AppConfig
 from app.batch.runner import BatchRunner, BulkThrottle
@@ -63,14 +68,7 @@ class BatchJobs:
         runner = getattr(self, "runner", None)
         if runner is not None:
             await runner.stop()
-        task = getattr(self, "_sync_task", None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        client = getattr(self, "client", None)
-        if client is not None:
-            await client.close()
+        await disconnect(getattr(self, "_sync_task", None), getattr(self, "client", None))
         store = getattr(self, "store", None)
         if store is not None:
             store.close()

@@ -21,7 +21,6 @@ that lists it, so the first requests are not refused as "no replica".
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -31,7 +30,13 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.model_endpoint import cluster_cache, connect_endpoint, sync_forever, wait_for_first_view
+from actors.model_endpoint import (
+    cluster_cache,
+    connect_endpoint,
+    disconnect,
+    sync_forever,
+    wait_for_first_view,
+)
 from actors.runtime import replica_id
 from actors.serve_internals import serve_send_queue
 from actors.settings import AppConfig
@@ -83,14 +88,7 @@ class Ingress:
         return [self.cache.snapshot.metrics]
 
     async def __del__(self) -> None:
-        task = getattr(self, "_sync_task", None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        client = getattr(self, "client", None)
-        if client is not None:
-            await client.close()
+        await disconnect(getattr(self, "_sync_task", None), getattr(self, "client", None))
 
 
 class _OneRequestIdHeader:

@@ -6,6 +6,7 @@ cache fresh from the control plane (pushing the caller's own metrics on the way)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -80,6 +81,17 @@ async def sync_forever(
         except Exception as exc:
             logger.debug("control plane sync failed: %r", exc)
         await asyncio.sleep(interval_s)
+
+
+async def disconnect(sync_task: asyncio.Task | None, client: ReplicaClient | None) -> None:
+    """Stop the sync loop and close the replica client (either may be None: an `__init__`
+    that failed early)."""
+    if sync_task is not None:
+        sync_task.cancel()
+        with contextlib.suppress(BaseException):
+            await sync_task
+    if client is not None:
+        await client.close()
 
 
 async def wait_for_first_view(cache: ClusterCache, timeout_s: float) -> None:

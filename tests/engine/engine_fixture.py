@@ -20,54 +20,52 @@ from engine.request import Request, SamplingParams
 from tests.engine.tokenizer_fixture import build_tokenizer
 
 
-@functools.cache
-def tiny_model_dir() -> Path:
+def _save_random_llama(prefix: str, seed: int, **shape: int) -> Path:
+    """A random Llama of `shape` with the test tokenizer, saved as an HF directory."""
     tok = build_tokenizer()
     config = transformers.LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=0.3,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,
+        **shape,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
-    path = Path(tempfile.mkdtemp(prefix="firstlight-tiny-"))
+    path = Path(tempfile.mkdtemp(prefix=prefix))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@functools.cache
+def tiny_model_dir() -> Path:
+    return _save_random_llama(
+        "firstlight-tiny-",
+        0,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 @functools.cache
 def tiny_draft_dir() -> Path:
     """A 1-layer random Llama sharing the tiny model's tokenizer: a draft that often
     disagrees with the target (the target itself makes a draft that always agrees)."""
-    tok = build_tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok),
+    return _save_random_llama(
+        "firstlight-tiny-draft-",
+        1,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
     )
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config).eval()
-    path = Path(tempfile.mkdtemp(prefix="firstlight-tiny-draft-"))
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def tiny_config(**overrides) -> EngineConfig:
