@@ -1,5 +1,7 @@
-"""The synchronous engine core: one `step()` = schedule, execute, sample/verify, append,
-update, emit, propose.
+"""The synchronous engine core: one `step()` = propose, schedule, execute, sample/verify,
+append, update, emit. Drafts are proposed at the start of the step that verifies them (for
+the sequences the previous step left decoding), so a step's deltas, the first token above
+all, are returned before the draft model runs.
 
 Not thread-safe: exactly one thread calls `add_request`, `abort` and `step` (the AsyncEngine
 runs all three on its single engine thread). Deltas are produced only for sequences that
@@ -28,7 +30,7 @@ from engine.kv.cache_manager import KVCacheManager
 from engine.models.resolve import ModelResolver, local_model_dir
 from engine.output.detokenizer import IncrementalDetokenizer
 from engine.output.stop import find_stop
-from engine.request import FinishReason, Request, TokenDelta, TokenLogprob
+from engine.request import FinishReason, Request, RequestClass, TokenDelta, TokenLogprob
 from engine.runner.model_runner import ModelRunner
 from engine.sample.sampler import Sampler, SampleResult
 from engine.sched.output import ScheduledChunk, SchedulerOutput
@@ -116,6 +118,7 @@ class LLMEngine:
         if spec_policy is None and self.speculating:
             spec_policy = build_policy(config.speculative)
         self.spec_policy = spec_policy
+        self._to_propose: list[Sequence] = []
         self.counters = EngineCounters()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # only requests that carry one
@@ -167,6 +170,14 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
+        if self._to_propose:  # drafts for the sequences the last step left decoding
+            seqs, self._to_propose = self._to_propose, []
+            if self.scheduler.waiting[RequestClass.INTERACTIVE]:
+                # An interactive request waits for its first token: a plain step gets it
+                # there sooner than drafting and verifying first (TTFT before ITL).
+                self._clear_drafts(seqs)
+            else:
+                self._propose([s for s in seqs if s.status is SequenceStatus.RUNNING])
         started = time.perf_counter()
         expired = self._expire_deadlines() if self._deadlines else []
         out = self.scheduler.schedule()
@@ -183,7 +194,9 @@ class LLMEngine:
         deltas = [self._emit(n) for n in news]
         if self.speculating:
             self._observe(out, chunks, results, time.perf_counter() - started)
-            self._propose([n.seq for n in news if n.seq.status is SequenceStatus.RUNNING])
+            # Proposed at the start of the next step, so these deltas (a first token above
+            # all) leave before the draft model runs.
+            self._to_propose = [n.seq for n in news if n.seq.status is SequenceStatus.RUNNING]
         return expired + deltas if expired else deltas
 
     def _expire_deadlines(self) -> list[TokenDelta]:
@@ -347,9 +360,7 @@ class LLMEngine:
         """Replace the drafts of `seqs` (about to decode) with the proposer's, as many as the
         speculation policy asks. A proposer that fails, or a draft outside the vocabulary,
         costs speculation only."""
-        for seq in seqs:
-            if seq.spec_token_ids:
-                seq.spec_token_ids, seq.spec_probs = [], None
+        self._clear_drafts(seqs)
         if not seqs:
             return
         assert self.spec_policy is not None
@@ -384,6 +395,12 @@ class LLMEngine:
             ):
                 continue
             target.spec_token_ids, target.spec_probs = list(draft.token_ids), draft.probs
+
+    @staticmethod
+    def _clear_drafts(seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.spec_token_ids:
+                seq.spec_token_ids, seq.spec_probs = [], None
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)

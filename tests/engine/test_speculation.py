@@ -12,7 +12,7 @@ from app.metric_snapshot import engine_snapshot
 from engine.async_engine import AsyncEngine
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import FinishReason, Request, RequestClass, SamplingParams
 from engine.spec.draft_model import DraftModel, DraftModelProposer, DraftQuery
 from engine.spec.prompt_lookup import lookup
 from tests.engine.engine_fixture import (
@@ -168,3 +168,34 @@ def test_every_request_reports_its_drafts() -> None:
             last = delta
     assert last is not None and last.finish_reason is FinishReason.LENGTH
     assert last.num_draft_tokens > 0 and last.num_accepted_tokens == last.num_draft_tokens
+
+
+class CountingProposer(DraftModelProposer):
+    def __init__(self, draft: DraftModel) -> None:
+        super().__init__(draft)
+        self.calls = 0
+
+    def propose(self, seqs, num_tokens):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return super().propose(seqs, num_tokens)
+
+
+def test_first_tokens_leave_before_drafting_and_waiting_chats_skip_it() -> None:
+    """A step returns its deltas before the draft model runs (drafts are proposed at the
+    start of the step that verifies them), and a step with an interactive request waiting
+    for its first token drafts nothing (TTFT before ITL)."""
+    proposer = CountingProposer(DraftModel(tiny_model_dir(), kv_cache_bytes=1 << 20))
+    engine = LLMEngine(spec_config("draft_model", tiny_model_dir()), proposer=proposer)
+    engine.add_request(
+        make_request("bulk", PROMPTS["b"], greedy(40), request_class=RequestClass.BULK)
+    )
+    first = engine.step()
+    assert first[0].token_ids and proposer.calls == 0  # the first token left undrafted
+    engine.step()
+    assert proposer.calls == 1 and engine.counters.draft_tokens > 0
+    engine.add_request(make_request("chat", PROMPTS["c"], greedy(4)))
+    deltas = engine.step()  # the chat waits: this step prefills it, no drafting
+    assert proposer.calls == 1
+    assert any(d.request_id == "chat" and d.token_ids for d in deltas)
+    engine.step()
+    assert proposer.calls == 2  # both decode now: drafting resumes
