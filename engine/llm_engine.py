@@ -363,6 +363,10 @@ class LLMEngine:
         self._clear_drafts(seqs)
         if not seqs:
             return
+        if any(s.request_class is RequestClass.INTERACTIVE for s in seqs):
+            # Drafting and verifying bulk sequences lengthens every step an interactive one
+            # shares: while any interactive request decodes, bulk ones go without drafts.
+            seqs = [s for s in seqs if s.request_class is RequestClass.INTERACTIVE]
         assert self.spec_policy is not None
         wanted = self.spec_policy.num_tokens(seqs)
         asked = [s for s in seqs if wanted.get(s.request_id, 0) > 0]

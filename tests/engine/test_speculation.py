@@ -199,3 +199,19 @@ def test_first_tokens_leave_before_drafting_and_waiting_chats_skip_it() -> None:
     assert any(d.request_id == "chat" and d.token_ids for d in deltas)
     engine.step()
     assert proposer.calls == 2  # both decode now: drafting resumes
+
+
+def test_bulk_sequences_go_without_drafts_while_an_interactive_one_decodes() -> None:
+    engine = LLMEngine(spec_config("draft_model", tiny_model_dir()))
+    engine.add_request(
+        make_request("bulk", PROMPTS["b"], greedy(40), request_class=RequestClass.BULK)
+    )
+    engine.add_request(make_request("chat", PROMPTS["c"], greedy(30)))
+    for _ in range(4):
+        engine.step()
+    bulk, chat = engine.scheduler.get("bulk"), engine.scheduler.get("chat")
+    assert bulk is not None and chat is not None
+    assert chat.num_draft_tokens > 0 and bulk.num_draft_tokens == 0
+    while engine.has_unfinished():
+        engine.step()  # the chat ends first (30 tokens): the bulk one speculates again
+    assert engine.counters.draft_tokens > chat.num_draft_tokens
