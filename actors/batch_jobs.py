@@ -61,9 +61,6 @@ class BatchJobs:
         if not self.runner.is_running:
             raise RuntimeError("the batch runner stopped")
 
-    async def progress(self) -> dict[str, int]:
-        return {"lines_run": self.runner.lines_run, "in_flight": self.runner.in_flight}
-
     async def __del__(self) -> None:
         runner = getattr(self, "runner", None)
         if runner is not None:

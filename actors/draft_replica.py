@@ -63,9 +63,6 @@ class DraftReplica:
         if self._worker.done():
             raise RuntimeError("the draft loop stopped")
 
-    async def stats(self) -> dict[str, int]:
-        return {"calls": self.service.num_calls, "followed": self.service.draft.num_followed}
-
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:

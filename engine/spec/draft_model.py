@@ -36,8 +36,6 @@ from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec.proposer import Draft
 
-_MAX_SEQS = 256
-
 
 @dataclass(slots=True)
 class DraftQuery:
@@ -66,9 +64,12 @@ class DraftModel:
         block_size: int = 16,
         seed: int = 0,
         max_batched_tokens: int = 4096,
+        max_seqs: int = 256,
     ) -> None:
-        """`max_batched_tokens`: one forward's most tokens (a longer catch-up is split)."""
+        """`max_batched_tokens`: one forward's most tokens (a longer catch-up is split);
+        `max_seqs`: one forward's most sequences (queries past it get no drafts)."""
         self.max_batched_tokens = max_batched_tokens
+        self.max_seqs = max_seqs
         config = EngineConfig(
             model=str(model_path),
             dtype=dtype,
@@ -79,7 +80,7 @@ class DraftModel:
                 enable_prefix_caching=False,
             ),
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_batched_tokens, max_num_seqs=_MAX_SEQS
+                max_num_batched_tokens=max_batched_tokens, max_num_seqs=max_seqs
             ),
         )
         self.runner = ModelRunner(config, str(model_path))
@@ -119,6 +120,8 @@ class DraftModel:
             if k != q.num_tokens:
                 q = DraftQuery(q.request_id, q.token_ids, k, q.sampling)
             live.append((q, self._follow(q)))
+            if len(live) == self.max_seqs:  # one forward's most: the rest go without drafts
+                break
         self._catch_up_all_but_last(live, keep={q.request_id for q in queries})
         tokens: dict[str, list[int]] = {q.request_id: [] for q, _ in live}
         probs: dict[str, list[torch.Tensor]] = {}
@@ -175,7 +178,7 @@ class DraftModel:
         """Compute pending tokens but the last of each sequence in forwards of at most
         `max_batched_tokens`, when the whole catch-up would not fit in one forward."""
         pending = sum(seq.num_tokens - seq.num_computed_tokens for _, seq in live)
-        if pending <= self.max_batched_tokens and len(live) <= _MAX_SEQS:
+        if pending <= self.max_batched_tokens:
             return
         for _, seq in live:
             while seq.num_tokens - 1 - seq.num_computed_tokens > 0:

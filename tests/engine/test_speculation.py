@@ -120,6 +120,10 @@ def test_the_draft_follows_rollbacks_and_long_catch_ups() -> None:
     draft.release("r")
     draft.release("l")
     assert draft.kv.num_free_blocks == draft.kv.num_blocks
+    # More sequences than one forward holds: the first ones get drafts, the rest none.
+    narrow = DraftModel(tiny_model_dir(), kv_cache_bytes=1 << 20, max_seqs=2)
+    asked = [DraftQuery(f"n{i}", prompt_ids(10 + i, 12), 3, g) for i in range(3)]
+    assert sorted(narrow.propose(asked)) == ["n0", "n1"]
 
 
 def test_sampled_requests_are_reproducible_with_a_draft_model() -> None:
