@@ -45,6 +45,8 @@ from engine.spec.policy import (
 )
 from engine.spec.proposer import Draft, NoopProposer, Proposer
 from engine.stats import SpecStats
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.masks import GrammarStates, TokenMask
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,7 @@ class LLMEngine:
             spec_policy = build_policy(config.speculative)
         self.spec_policy = spec_policy
         self._to_propose: list[Sequence] = []
+        self._grammars: GrammarStates | None = None  # built with the first constrained request
         self.counters = EngineCounters()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # only requests that carry one
@@ -139,11 +142,31 @@ class LLMEngine:
         vocab = self.runner.info.vocab_size
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
             raise InvalidRequest("prompt", f"token ids must be in [0, {vocab})")
+        if request.sampling.grammar is not None:
+            self.grammars().compiler.check(request.sampling.grammar)
+
+    def grammars(self) -> GrammarStates:
+        """The grammar state of constrained requests (built on first use: it wraps the
+        tokenizer's vocabulary once, which a server that never sees a grammar never pays)."""
+        if self._grammars is None:
+            try:
+                compiler = GrammarCompiler(
+                    self.tokenizer, self.runner.info.vocab_size, self.eos_token_ids
+                )
+            except Exception as exc:
+                raise InvalidRequest(
+                    "response_format",
+                    f"structured output is not available for this model's tokenizer: {exc}",
+                ) from exc
+            self._grammars = GrammarStates(compiler)
+        return self._grammars
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises InvalidRequest (bad request) or QueueFull (overload)."""
         self.validate(request)
         seq = Sequence.from_request(request)
+        if request.sampling.grammar is not None:
+            self.grammars().add(request.request_id, request.sampling.grammar)
         self.scheduler.add(seq)
         if request.deadline is not None:
             self._deadlines[request.request_id] = request.deadline
@@ -183,11 +206,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return expired
-        logits = self._execute(out)
+        chunks = [c for c in out.chunks if c.samples]
+        masks = self._grammars.start_masks(chunks) if self._grammars else None
+        logits = self._execute(out)  # the masks are computed meanwhile
+        mask, mask_errors = masks.result() if masks is not None else (None, {})
         if logits is None:
             return expired + self._fail_step(out)
-        chunks = [c for c in out.chunks if c.samples]
-        results = self._sample(logits, chunks)
+        results = self._sample(logits, chunks, mask, mask_errors)
         news = [self._append(c, r) for c, r in zip(chunks, results, strict=True)]
         self.scheduler.update(out, self._num_accepted(chunks, news))
         self.counters.steps += 1
@@ -224,30 +249,53 @@ class LLMEngine:
         return [self._emit(n) for n in news if not n.seq.is_finished]
 
     def _sample(
-        self, logits: torch.Tensor, chunks: list[ScheduledChunk]
+        self,
+        logits: torch.Tensor,
+        chunks: list[ScheduledChunk],
+        mask: TokenMask | None = None,
+        mask_errors: dict[str, str] | None = None,
     ) -> list[SampleResult | str]:
         """One result per chunk, or the error of a chunk whose sampling failed: the batch is
-        sampled at once; if that raises, each chunk alone, so only the failing ones fail."""
+        sampled at once; if that raises, each chunk alone, so only the failing ones fail.
+        A chunk whose grammar failed (`mask_errors`) fails alone."""
         if not chunks:
             return []
+        if mask_errors:
+            return self._sample_alone(logits, chunks, mask, mask_errors)
         seqs = [c.seq for c in chunks]
         drafts = (
             [c.spec_token_ids for c in chunks] if any(c.spec_token_ids for c in chunks) else None
         )
         probs = None if drafts is None else [_draft_probs(c) for c in chunks]
         try:
-            return list(self.sampler.sample(logits, seqs, drafts, probs))
+            return list(self.sampler.sample(logits, seqs, drafts, probs, mask))
         except Exception:
             logger.exception("batched sampling failed; sampling each request alone")
+        return self._sample_alone(logits, chunks, mask, {})
+
+    def _sample_alone(
+        self,
+        logits: torch.Tensor,
+        chunks: list[ScheduledChunk],
+        mask: TokenMask | None,
+        errors: dict[str, str],
+    ) -> list[SampleResult | str]:
+        drafts = any(c.spec_token_ids for c in chunks)
         results: list[SampleResult | str] = []
         row = 0
         for chunk in chunks:
             n = len(chunk.spec_token_ids) + 1
-            spec = None if drafts is None else [chunk.spec_token_ids]
-            one = None if drafts is None else [_draft_probs(chunk)]
+            error = errors.get(chunk.seq.request_id)
+            if error is not None:
+                results.append(error)
+                row += n
+                continue
+            spec = [chunk.spec_token_ids] if drafts else None
+            one = [_draft_probs(chunk)] if drafts else None
+            window = mask.window(row, row + n) if mask is not None else None
             try:
                 results.append(
-                    self.sampler.sample(logits[row : row + n], [chunk.seq], spec, one)[0]
+                    self.sampler.sample(logits[row : row + n], [chunk.seq], spec, one, window)[0]
                 )
             except Exception as e:
                 results.append(f"sampling failed: {type(e).__name__}: {e}")
@@ -265,6 +313,11 @@ class LLMEngine:
             kept, reason = find_stop(seq, tokens, self.eos_token_ids, self.max_model_len)
             if kept < len(tokens):
                 tokens = tokens[:kept]
+            if self._grammars is not None and seq.request_id in self._grammars:
+                kept, complete = self._grammars.advance(seq.request_id, tokens, self.eos_token_ids)
+                tokens = tokens[:kept]
+                if complete:
+                    reason = FinishReason.STOP
             detok = self._detok[seq.request_id]
             if len(tokens) > 1 and seq.sampling.stop:
                 text, tokens, stop_hit = _push_each(detok, tokens)
@@ -410,6 +463,8 @@ class LLMEngine:
         self._detok.pop(request_id, None)
         self._deadlines.pop(request_id, None)
         self.sampler.forget(request_id)
+        if self._grammars is not None:
+            self._grammars.forget(request_id)
         if self.speculating:
             assert self.spec_policy is not None
             self.spec_policy.forget(request_id)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from engine.errors import InvalidRequest
+from engine.structured.grammar import Grammar
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 _TOKEN_ID_MAX = 2**31 - 1
@@ -71,6 +72,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    grammar: Grammar | None = None  # the output must match it (`engine.structured`)
 
     def validate(self) -> None:
         """Reject every value the engine cannot process, naming the parameter.
@@ -124,6 +126,10 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise InvalidRequest(param, f"{param} {message}")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar):
+                raise InvalidRequest("response_format", "the output grammar is malformed")
+            self.grammar.validate()
 
     @property
     def greedy(self) -> bool:

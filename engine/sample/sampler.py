@@ -5,6 +5,8 @@ applies to it, with the drafts before it counted as output tokens.
 
 Order of work for a row (all rows of a kind are processed together, one tensor op each):
 
+0. the grammar's token mask, for the rows of requests that carry one (`engine.structured`):
+   every token it disallows is set to -inf (a step with no such row skips this entirely);
 1. penalties on the raw logits: repetition (HF semantics, over prompt + output tokens: a
    positive logit is divided by the penalty, a negative one multiplied), then frequency and
    presence (OpenAI semantics, over output tokens only: `logit -= freq * count + pres * seen`);
@@ -41,6 +43,7 @@ import torch
 from engine.request import SamplingParams, TokenLogprob
 from engine.sample.rejection import accept_greedy, accept_random
 from engine.sequence import Sequence
+from engine.structured.masks import TokenMask
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows float32)
 
@@ -133,13 +136,16 @@ class Sampler:
         seqs: list[Sequence],
         drafts: list[tuple[int, ...]] | None = None,
         draft_probs: list[torch.Tensor | None] | None = None,
+        token_mask: TokenMask | None = None,
     ) -> list[SampleResult]:
         """One result per sequence. Without drafts `logits` has one row per sequence; with
         them, `len(drafts[i]) + 1` consecutive rows for sequence `i` (the target's logits at
         each draft position and after the last), verified as `engine.sample.rejection` says.
         `draft_probs[i]` (`[len(drafts[i]), V]`, or None for point masses) are the
         proposer's distributions. Every row gets the full processing of the module doc, with
-        the drafts before it counted as output tokens (penalties, `min_tokens`)."""
+        the drafts before it counted as output tokens (penalties, `min_tokens`).
+        `token_mask` (grammar-constrained rows) sets every token it disallows to -inf
+        before anything else; without it nothing changes."""
         if drafts is not None and not any(drafts):
             drafts = None
         num_rows = len(seqs) + (sum(len(d) for d in drafts) if drafts is not None else 0)
@@ -150,6 +156,8 @@ class Sampler:
         if not seqs:
             return []
         logits = logits[:, : self.vocab_size]
+        if token_mask is not None:
+            logits = token_mask.apply(logits)
         plain = all(_is_plain_greedy(s.sampling, s.num_output_tokens) for s in seqs)
         if drafts is None:
             if plain:
