@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.firstlight-setup
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup browser demo serve standalone screenshot test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec bench-batch clean
+.PHONY: setup browser demo serve standalone screenshot test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec bench-batch bench-structured clean
 
 setup: $(STAMP) browser
 
@@ -80,3 +80,6 @@ bench-batch: setup demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+
+bench-structured: setup demo
+	$(PY) bench/structured.py

@@ -6,6 +6,7 @@ replica handles. The app never looks past `client` (an `engine.protocol.EngineCl
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -13,7 +14,10 @@ from typing import Any
 
 from app.openai.errors import APIError
 from app.openai.prompts import prompt_byte_limit
+from engine.errors import InvalidRequest
 from engine.protocol import EngineClient
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.grammar import Grammar
 
 
 @dataclass(slots=True)
@@ -40,6 +44,7 @@ class ModelEndpoint:
     vocab_size: int = field(init=False)
     prompt_byte_limit: int | None = field(init=False)
     _token_texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+    _grammars: GrammarCompiler | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.vocab_size = len(self.tokenizer)
@@ -51,6 +56,27 @@ class ModelEndpoint:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    async def check_grammar(self, grammar: Grammar) -> None:
+        """Compile `grammar` for this model's vocabulary (cached per grammar, off the event
+        loop); InvalidRequest naming its parameter when it cannot be compiled. The engine
+        compiles it again where it runs; this check answers a bad grammar before any
+        engine work."""
+        await asyncio.to_thread(self._check_grammar, grammar)
+
+    def _check_grammar(self, grammar: Grammar) -> None:
+        if self._grammars is None:
+            eos = self.tokenizer.eos_token_id
+            try:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.vocab_size, () if eos is None else (int(eos),)
+                )
+            except Exception as exc:
+                raise InvalidRequest(
+                    grammar.param,
+                    f"structured output is not available for this model's tokenizer: {exc}",
+                ) from exc
+        self._grammars.check(grammar)
 
     def card(self) -> dict[str, Any]:
         """The `/v1/models` entry."""

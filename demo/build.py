@@ -34,7 +34,7 @@ from demo.paths import DEMO_MODELS, MANIFEST, firstlight_home
 from demo.tokenizer import encode_chats, save_tokenizer, special_ids, train_tokenizer
 from demo.train import ModelSpec, TokenStream, TrainResult, train_model
 
-RECIPE_VERSION = 2  # bump whenever anything below changes what gets built
+RECIPE_VERSION = 3  # bump whenever anything below changes what gets built
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 
 
@@ -48,7 +48,9 @@ class Recipe:
     max_positions: int = 2048
     heldout: int = 64
     target: ModelSpec = field(
-        default_factory=lambda: ModelSpec("demo", 256, 688, 4, 8, 4, steps=300)
+        # 192-token windows: a tool conversation (tools, question, call, result, reply) is
+        # about 170 tokens, and 128 cut off the result and the reply that uses it.
+        default_factory=lambda: ModelSpec("demo", 256, 688, 4, 8, 4, steps=300, seq_len=192)
     )
     draft: ModelSpec = field(
         default_factory=lambda: ModelSpec("demo-draft", 128, 344, 1, 4, 2, steps=450)

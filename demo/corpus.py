@@ -5,6 +5,10 @@ list. A conversation is an optional system message and one to three exchanges: a
 question, small talk, or an off-topic request (answered with the fallback), followed by
 topic follow-ups ("How long can I pause it for?"), thanks, goodbyes or a new question.
 
+About one in six lists the demo's tool (`demo.tools`); most of those ask about an order and
+teach the call, the tool's result and the reply that uses it. One in twenty asks for JSON in
+its system message and gets the usual answer as `{"answer": "..."}`.
+
 `heldout_prompts(seed, n, seen)` draws single questions from a separate random stream and
 drops any whose text is in `seen` (the training user messages), so evaluation never asks a
 question verbatim from training.
@@ -12,10 +16,11 @@ question verbatim from training.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
-from demo import phrasing, smalltalk
+from demo import phrasing, smalltalk, tools
 from demo.topic import Topic, Utterance, all_topics
 
 SYSTEM_PROMPTS: tuple[str, ...] = (
@@ -31,13 +36,23 @@ SYSTEM_PROMPTS: tuple[str, ...] = (
 _LEAD_INS: tuple[str, ...] = ("Sure! ", "Of course. ", "Happy to help. ", "No problem. ")
 _NO_LEAD_IN = ("Yes", "Sorry", "I'm sorry", "Welcome")
 
+TOOL_SHARE = 0.15  # conversations that call `lookup_order` (`demo.tools`)
+TOOLS_IDLE_SHARE = 0.03  # conversations with the tools listed that call none
+JSON_SHARE = 0.05  # conversations whose system message asks for JSON answers
+JSON_PROMPTS: tuple[str, ...] = (
+    "Reply in JSON.",
+    'Answer as a JSON object with the key "answer".',
+    "Respond with JSON only.",
+    "You are a support assistant. Output JSON.",
+)
+
 # Held-out draws use a stream no training seed reaches in practice.
 _HELDOUT_SALT = 1_000_003
 
 
 @dataclass(frozen=True, slots=True)
 class Turn:
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     content: str
 
 
@@ -156,6 +171,28 @@ class _Generator:
     def conversation(self) -> Conversation:
         turns: list[Turn] = []
         intents: list[str] = []
+        r = self.rng.random()
+        if r < TOOL_SHARE + TOOLS_IDLE_SHARE:
+            # The tools header; in most of these the user asks about an order (a call), in
+            # the rest something else (tools present are no reason to call one).
+            turns.append(Turn("system", tools.tools_message()))
+            if r < TOOL_SHARE:
+                turns += [Turn(role, text) for role, text in tools.order_exchange(self.rng)]
+                intents.append("order_lookup")
+                if self.rng.random() < 0.3:
+                    user, answer = self.say("thanks")
+                    turns += [Turn("user", user), Turn("assistant", answer)]
+                    intents.append("thanks")
+                return Conversation(tuple(turns), tuple(intents))
+        elif r < TOOL_SHARE + TOOLS_IDLE_SHARE + JSON_SHARE:
+            # Asked for JSON: the usual answer as {"answer": ...} (what JSON mode needs from
+            # the model: a grammar can force JSON, not tell the model when to close it).
+            turns.append(Turn("system", self.rng.choice(JSON_PROMPTS)))
+            intent = self.first_intent()
+            user, answer, last = self.exchange(intent, None)
+            turns += [Turn("user", user), Turn("assistant", json.dumps({"answer": answer}))]
+            intents.append(f"{intent}:{last.name}" if last is not None else intent)
+            return Conversation(tuple(turns), tuple(intents))
         if self.rng.random() < 0.25:
             turns.append(Turn("system", self.rng.choice(SYSTEM_PROMPTS)))
         extra = self.rng.choices((0, 1, 2), (0.5, 0.35, 0.15))[0]

@@ -4,6 +4,10 @@ Chat format (what `CHAT_TEMPLATE` renders and what training encodes, token for t
 
     <|bos|><|system|>...<|end|><|user|>...<|end|><|assistant|>...<|end|>
 
+With tools, a first system message lists them (`Tools:` then one JSON object per line); an
+assistant's tool calls are written as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+and a tool's result is a `<|tool|>...<|end|>` message (`demo.tools`).
+
 `<|end|>` closes every message and is the EOS token, so generation stops at the end of the
 assistant's message. `<|pad|>` (id 0) never occurs in real text: HF `generate` infers
 attention masks from the pad id, so a pad id that is also a real prompt token corrupts
@@ -19,30 +23,49 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-PAD, BOS, END, SYSTEM, USER, ASSISTANT = (
+PAD, BOS, END, SYSTEM, USER, ASSISTANT, TOOL = (
     "<|pad|>",
     "<|bos|>",
     "<|end|>",
     "<|system|>",
     "<|user|>",
     "<|assistant|>",
+    "<|tool|>",
 )
-SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, END, SYSTEM, USER, ASSISTANT)
-ROLE_TOKENS = MappingProxyType({"system": SYSTEM, "user": USER, "assistant": ASSISTANT})
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, END, SYSTEM, USER, ASSISTANT, TOOL)
+ROLE_TOKENS = MappingProxyType(
+    {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
+)
 
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
+    "{%- if tools -%}"
+    "{{- '<|system|>Tools:' -}}"
+    "{%- for tool in tools -%}"
+    "{{- '\n' + ((tool['function'] if tool['function'] is defined else tool) | tojson) -}}"
+    "{%- endfor -%}"
+    "{{- '<|end|>' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{- raise_exception('unsupported role: ' + message['role']) -}}"
     "{%- endif -%}"
     "{%- if message['content'] is string -%}"
-    "{%- set content = message['content'] -%}"
+    "{%- set ns = namespace(content=message['content']) -%}"
+    "{%- elif message['content'] -%}"
+    "{%- set ns = namespace(content=message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('')) -%}"
     "{%- else -%}"
-    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('') -%}"
+    "{%- set ns = namespace(content='') -%}"
     "{%- endif -%}"
-    "{{- '<|' + message['role'] + '|>' + content + '<|end|>' -}}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{%- set ns.content = ns.content + '<tool_call>{\"name\": ' + (fn['name'] | tojson)"
+    " + ', \"arguments\": ' + (fn['arguments'] | tojson) + '}</tool_call>' -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|' + message['role'] + '|>' + ns.content + '<|end|>' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
@@ -51,7 +74,7 @@ CHAT_TEMPLATE = (
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024, max_length: int = 2048) -> Any:
     """Train byte-level BPE on `texts`; returns a transformers fast tokenizer.
 
-    `vocab_size` counts the special tokens (ids 0..5 in `SPECIAL_TOKENS` order) and the 256
+    `vocab_size` counts the special tokens (ids 0..6 in `SPECIAL_TOKENS` order) and the 256
     byte symbols, so every string round-trips. Deterministic for the same texts in the
     same order.
     """

@@ -4,10 +4,15 @@ The template is rendered to text and then encoded without adding special tokens 
 template already writes BOS and the role markers, and doubling them changes the model's
 input. Content given as a list of parts is joined with newlines (text parts only). The
 `developer` role (OpenAI's newer name for instructions) is given to templates as `system`.
+Tools go to the template as its `tools` argument; an assistant message's `tool_calls` keep
+their arguments as a JSON string on the wire, but templates index into them, so they are
+given as objects (when they parse).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +34,21 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             )
         elif content is None:
             item["content"] = ""
+        if isinstance(item.get("tool_calls"), list):
+            item["tool_calls"] = [_template_call(c) for c in item["tool_calls"]]
         out.append(item)
     return out
+
+
+def _template_call(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            function["arguments"] = json.loads(arguments)
+    return {**call, "function": function}
 
 
 def _part_text(part: dict[str, Any], param: str) -> str:
@@ -43,12 +61,17 @@ def _part_text(part: dict[str, Any], param: str) -> str:
     return text
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Any, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Render `messages` with the tokenizer's chat template (generation prompt added)."""
-    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
+    text = render_chat(tokenizer, messages, tools)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
+def render_chat(
+    tokenizer: Any, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None
+) -> str:
     """The prompt text of `messages` by the tokenizer's chat template (generation prompt
     added); 400 naming `messages` when there is no template or it refuses them."""
     if not getattr(tokenizer, "chat_template", None):
@@ -56,7 +79,7 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
     conversation = template_messages(messages)
     try:
         text: str = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
+            conversation, tools=tools, tokenize=False, add_generation_prompt=True
         )
     except Exception as exc:  # template errors (e.g. "roles must alternate") are the caller's
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc

@@ -10,7 +10,9 @@ line per call) share it.
 (`app.openai.body`), unimplemented fields, schema, `n`, the model, how many engine requests
 the call would create (`ModelEndpoint.max_requests`), the request class, every sampling field
 through `SamplingParams.validate()`, and only then tokenization (bounded and off the event
-loop, `app.openai.prompts`) and the context length. Every refusal is an `APIError` (400 for
+loop, `app.openai.prompts`) and the context length. An output grammar (`response_format`,
+`guided_*`, a forced `tool_choice`) is compiled for the model's vocabulary before the
+prompt is tokenized. Every refusal is an `APIError` (400 for
 bad input, 404 for an unknown model); nothing is sent to an engine until all passed.
 """
 
@@ -31,7 +33,9 @@ from app.openai.errors import bad_request, from_invalid, from_validation_errors,
 from app.openai.prompts import encode_chat, encode_text
 from app.openai.render import ChatRenderer, CompletionRenderer, Renderer
 from app.openai.schemas import ChatCompletionRequest, CompletionRequest
-from app.openai.unsupported import check_unsupported
+from app.openai.structured import output_grammar
+from app.openai.tools import ToolUse, parse_tools
+from app.openai.unsupported import check_unsupported, unsupported
 from engine.errors import InvalidRequest, QueueFull
 from engine.request import Request, RequestClass, SamplingParams
 from policies.request_class import RequestClassPolicy
@@ -98,18 +102,38 @@ class OpenAILayer:
         self, body: Mapping[str, Any], headers: Mapping[str, str], request_id: str
     ) -> GenerationJob:
         params = _parse(ChatCompletionRequest, body)
+        tools = parse_tools(body)
+        grammar = output_grammar(body)
+        forced = tools.grammar() if tools is not None else None
+        if forced is not None:
+            if grammar is not None:
+                raise bad_request(
+                    "response_format cannot constrain a reply that tool_choice forces to be "
+                    "tool calls",
+                    grammar.param,
+                )
+            grammar = forced
         endpoint, request_class, base = self._admit(params, body, headers, 1, None)
+        if grammar is not None:
+            await endpoint.check_grammar(grammar)
+            base = dataclasses.replace(base, grammar=grammar)
         tokenizer = endpoint.tokenizer
         prompt = await encode_chat(
-            tokenizer, params.messages, endpoint.prompt_byte_limit, endpoint.max_model_len
-        )
+            tokenizer, params.messages, endpoint.prompt_byte_limit, endpoint.max_model_len,
+            tools.template_tools() if tools is not None else None,
+        )  # fmt: skip
         return _job(params, endpoint, request_class, base, [prompt], request_id,
-                    ChatRenderer, default_max_tokens=None, prompt_param="messages")  # fmt: skip
+                    ChatRenderer, default_max_tokens=None, prompt_param="messages",
+                    tools=tools)  # fmt: skip
 
     async def _completion(
         self, body: Mapping[str, Any], headers: Mapping[str, str], request_id: str
     ) -> GenerationJob:
         params = _parse(CompletionRequest, body)
+        for name in ("tools", "tool_choice"):
+            if body.get(name) not in (None, [], "none", "auto"):
+                raise unsupported(name)  # tools are a chat feature
+        grammar = output_grammar(body)
         if params.echo:
             raise bad_request("echo is not supported", "echo")
         if params.suffix:
@@ -117,6 +141,9 @@ class OpenAILayer:
         if params.best_of is not None and params.best_of != params.n:
             raise bad_request("best_of other than n is not supported", "best_of")
         endpoint, request_class, base = self._admit(params, body, headers, len(params.prompt), 16)
+        if grammar is not None:
+            await endpoint.check_grammar(grammar)
+            base = dataclasses.replace(base, grammar=grammar)
         prompts = [await _completion_prompt(endpoint, p) for p in params.prompt]
         return _job(params, endpoint, request_class, base, prompts, request_id,
                     CompletionRenderer, default_max_tokens=16, prompt_param="prompt")  # fmt: skip
@@ -220,6 +247,7 @@ def _job(
     *,
     default_max_tokens: int | None,
     prompt_param: str,
+    tools: ToolUse | None = None,
 ) -> GenerationJob:
     tags = params.tags()
     requests: list[Request] = []
@@ -238,11 +266,13 @@ def _job(
                 request_class=request_class,
                 tags=tags,
             ))  # fmt: skip
+    extra: dict[str, Any] = {"tools": tools} if tools is not None else {}
     return GenerationJob(
         request_id=request_id,
         endpoint=endpoint,
         requests=requests,
         renderer=renderer(
+            **extra,
             response_id=f"{renderer.id_prefix}{request_id}",
             created=int(time.time()),
             model=endpoint.name,

@@ -72,13 +72,17 @@ async def encode_text(
 
 
 async def encode_chat(
-    tokenizer: Any, messages: Sequence[ChatMessage], limit: int | None, max_model_len: int
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    limit: int | None,
+    max_model_len: int,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """A chat prompt's ids: the chat template rendered, measured, then encoded."""
-    size = sum(_chars(m.content) for m in messages)
+    size = sum(_chars(m.content) for m in messages) + (len(json.dumps(tools)) if tools else 0)
 
     def work() -> list[int]:
-        text = render_chat(tokenizer, messages)
+        text = render_chat(tokenizer, messages, tools)
         check_fits(text, limit, max_model_len, "messages")
         return list(tokenizer.encode(text, add_special_tokens=False))
 

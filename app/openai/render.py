@@ -16,6 +16,7 @@ from typing import Any
 
 from app.openai.errors import EngineRequestError
 from app.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
+from app.openai.tools import ToolCallStream, ToolUse, split_tool_calls
 from engine.request import FinishReason, Timings, TokenDelta, TokenLogprob
 
 
@@ -30,6 +31,7 @@ class ChoiceState:
     num_accepted_tokens: int = 0  # of those, accepted
     started: bool = False  # a chunk of this choice was emitted
     text_offset: int = 0  # completions logprobs
+    tool_stream: ToolCallStream | None = None  # chat with tools, streaming
 
 
 def client_finish_reason(delta: TokenDelta) -> str | None:
@@ -163,9 +165,50 @@ class Renderer(ABC):
 
 
 class ChatRenderer(Renderer):
+    """With `tools` (whose choice parses calls), `<tool_call>` blocks of the reply become
+    `tool_calls` (`app.openai.tools`), and a reply with calls finishes with "tool_calls"."""
+
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
     full_object = "chat.completion"
+
+    def __init__(self, *, tools: ToolUse | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tools = tools if tools is not None and tools.parses_calls else None
+        if self.tools is not None:
+            for state in self.states:
+                state.tool_stream = ToolCallStream()
+
+    def chunk(self, index: int, delta: TokenDelta) -> dict[str, Any] | None:
+        if self.tools is None:
+            return super().chunk(index, delta)
+        state = self.states[index]
+        finish = self._update(state, delta)
+        assert state.tool_stream is not None
+        content, calls = state.tool_stream.feed(delta.text, final=finish is not None)
+        has_logprobs = self.want_logprobs and bool(delta.logprobs)
+        if not content and not calls and finish is None and not has_logprobs:
+            return None
+        if finish == "stop" and state.tool_stream.num_calls:
+            finish = state.finish_reason = "tool_calls"
+        message: dict[str, Any] = {} if state.started else {"role": "assistant"}
+        if content or not calls:
+            message["content"] = content
+        if calls:
+            message["tool_calls"] = calls
+        choice = {
+            "index": index,
+            "delta": message,
+            "logprobs": {"content": chat_logprobs(self.token_text, delta.logprobs or ())}
+            if has_logprobs
+            else None,
+            "finish_reason": finish,
+        }
+        state.started = True
+        chunk = {**self._head, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
 
     def _stream_choice(
         self, index: int, state: ChoiceState, delta: TokenDelta, finish: str | None, lp: bool
@@ -185,13 +228,23 @@ class ChatRenderer(Renderer):
         }
 
     def _full_choice(self, index: int, state: ChoiceState) -> dict[str, Any]:
+        text = "".join(state.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = state.finish_reason
+        if self.tools is not None:
+            content, calls = split_tool_calls(text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                if finish == "stop":
+                    finish = "tool_calls"
         return {
             "index": index,
-            "message": {"role": "assistant", "content": "".join(state.text)},
+            "message": message,
             "logprobs": {"content": chat_logprobs(self.token_text, state.logprobs)}
             if self.want_logprobs
             else None,
-            "finish_reason": state.finish_reason,
+            "finish_reason": finish,
         }
 
 

@@ -2,8 +2,10 @@
 
 Unknown fields are ignored, never rejected: tools send many (`service_tier`, `user`,
 `parallel_tool_calls`, `stream_options.continuous_usage_stats`, ...). The exception is a
-field the server does not implement yet that asks for something (`tools`, `response_format`,
-`logit_bias`, ...): `app.openai.unsupported` refuses it before these models see the body.
+field the server does not implement that asks for something (`logit_bias`, `functions`):
+`app.openai.unsupported` refuses it before these models see the body. `response_format`,
+`guided_*` and `tools`/`tool_choice` are read from the raw body by `app.openai.structured`
+and `app.openai.tools`.
 Values whose shape OpenAI allows in several forms (`stop`, `prompt`, message `content`) are
 normalized here so the rest of the app sees one form. Responses are plain dicts built in
 `app/openai/render.py` (faster than pydantic per chunk).

@@ -1,11 +1,11 @@
-"""Fields the server does not implement yet are refused, never silently ignored.
+"""Fields the server does not implement are refused, never silently ignored.
 
 A field counts as absent when it is missing, null, or holds the value that asks for nothing
-(what OpenAI itself does without the field): `tools: []`, `functions: []`,
-`tool_choice`/`function_call` "none" or "auto" (with no tools, "auto" can only answer with
-text), `response_format: {"type": "text"}`, `logit_bias: {}`. Several client libraries send
-those defaults explicitly, and refusing them would break plain chat for no reason. Any
-other value is a 400 naming the field, code `unsupported_parameter`.
+(what OpenAI itself does without the field): `functions: []`, `function_call` "none" or
+"auto", `logit_bias: {}`. Several client libraries send those defaults explicitly, and
+refusing them would break plain chat for no reason. Any other value is a 400 naming the
+field, code `unsupported_parameter`. (`tools`, `tool_choice` and `response_format` are
+served: `app.openai.tools`, `app.openai.structured`; the legacy `functions` are not.)
 """
 
 from __future__ import annotations
@@ -18,11 +18,8 @@ from app.openai.errors import APIError, bad_request
 _NO_CHOICE = ("none", "auto")
 
 ASKS_FOR_NOTHING: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v in _NO_CHOICE,
     "functions": lambda v: v == [],
     "function_call": lambda v: v in _NO_CHOICE,
-    "response_format": lambda v: v == {"type": "text"},
     "logit_bias": lambda v: v == {},
 }
 

@@ -133,6 +133,34 @@ async def test_models_health_and_chat_through_the_sdk(base_url):
     assert len({c.id for c in chunks}) == 1
 
 
+async def test_a_json_schema_and_a_forced_tool_call_cross_ray(base_url):
+    """The grammar travels with the request to the model replica, which enforces it."""
+    client = sdk(base_url)
+    schema = {
+        "type": "object",
+        "properties": {"plan": {"enum": ["free", "pro"]}, "seats": {"type": "integer",
+                       "minimum": 1, "maximum": 50}},
+        "required": ["plan", "seats"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "plan", "schema": schema}}
+    reply = await client.chat.completions.create(
+        **chat(max_tokens=40, temperature=1.0, seed=3), response_format=fmt
+    )
+    value = json.loads(reply.choices[0].message.content or "")
+    assert value["plan"] in ("free", "pro") and 1 <= value["seats"] <= 50
+    tool = {"type": "function", "function": {"name": "lookup_order", "parameters": {
+        "type": "object", "properties": {"order_id": {"type": "string", "maxLength": 8}},
+        "required": ["order_id"]}}}  # fmt: skip
+    reply = await client.chat.completions.create(
+        **chat(max_tokens=60), tools=[tool], tool_choice="required"
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    [call] = reply.choices[0].message.tool_calls or []
+    assert call.function.name == "lookup_order"
+    assert isinstance(json.loads(call.function.arguments)["order_id"], str)
+
+
 async def test_completions_with_n_logprobs_and_stop(base_url):
     client = sdk(base_url, strict=False)
     eos = {"ignore_eos": True}
@@ -237,12 +265,15 @@ async def test_no_bad_request_takes_the_replica_down(base_url):
                     "/v1/completions", json={"model": "demo", "prompt": ["a", "b", "c"], "n": 16}
                 ),
             ),
-            ("tools", await client.post("/v1/chat/completions", json=chat(tools=[_TOOL]))),
             (
-                "response_format",
+                "tool_choice",
                 await client.post(
-                    "/v1/chat/completions", json=chat(response_format={"type": "json_object"})
+                    "/v1/chat/completions", json=chat(tools=[_TOOL], tool_choice=_UNKNOWN_TOOL)
                 ),
+            ),
+            (
+                "response_format.json_schema.schema",
+                await client.post("/v1/chat/completions", json=chat(response_format=_BAD_SCHEMA)),
             ),
             (
                 "logit_bias",
@@ -261,6 +292,8 @@ async def test_no_bad_request_takes_the_replica_down(base_url):
 
 
 _TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+_UNKNOWN_TOOL = {"type": "function", "function": {"name": "refund"}}
+_BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
 
 
 # -- overload, disconnects, slow readers -----------------------------------------------------

@@ -49,14 +49,13 @@ async def test_lone_surrogate_is_400_naming_the_field():
 
 async def test_unimplemented_fields_are_400_and_defaults_pass():
     app, engine = make_app()
-    cases = {
-        "tools": [{"type": "function", "function": {"name": "lookup"}}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
-        "logit_bias": {"15": 5},
-    }
+    cases = {"logit_bias": {"15": 5}, "functions": [{"name": "lookup"}]}
     for field, value in cases.items():
         error = error_of(await post(app, json=chat_body(**{field: value})))
         assert (error["param"], error["code"]) == (field, "unsupported_parameter")
+    error = error_of(await post(app, "/v1/completions", json={"prompt": "Hi", "tools": [
+        {"type": "function", "function": {"name": "lookup"}}]}))  # fmt: skip
+    assert (error["param"], error["code"]) == ("tools", "unsupported_parameter")
     assert engine.requests == []
     response = await post(app, json=chat_body(tools=[], response_format={"type": "text"}))
     assert response.status_code == 200, response.text

@@ -47,14 +47,15 @@ async def test_no_bad_request_hurts_the_engine():
         error = error_of(await client.post("/v1/completions", json=too_many))
         assert error["param"] == "n" and f"at most {endpoint.max_requests}" in error["message"]
 
-        unsupported = {
-            "tools": [{"type": "function", "function": {"name": "lookup"}}],
-            "response_format": {"type": "json_object"},
-            "logit_bias": {"15": 10},
-        }
+        unsupported = {"functions": [{"name": "lookup"}], "logit_bias": {"15": 10}}
         for field, value in unsupported.items():
             error = error_of(await client.post("/v1/chat/completions", json={**chat, field: value}))
             assert (error["param"], error["code"]) == (field, "unsupported_parameter")
+        bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+        error = error_of(
+            await client.post("/v1/chat/completions", json={**chat, "response_format": bad_schema})
+        )
+        assert error["param"] == "response_format.json_schema.schema"
 
         # the one case that needs SamplingParams.validate() to check the seed's range
         # (engine/request.py, another change): until then the engine fails it with a 500

@@ -33,6 +33,7 @@ from demo.tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
+from demo.tools import LOOKUP_ORDER
 from demo.topic import all_topics
 from demo.train import ModelSpec, TokenStream, lr_at, train_model
 
@@ -83,10 +84,35 @@ def test_corpus_has_wide_variety() -> None:
 def test_conversations_alternate_user_and_assistant() -> None:
     for conv in make_corpus(300):
         roles = [t.role for t in conv.turns if t.role != "system"]
-        assert roles[::2] == ["user"] * len(roles[::2])
-        assert roles[1::2] == ["assistant"] * len(roles[1::2])
-        assert len(conv.intents) == len(roles) // 2
+        # A tool call is an assistant turn answered by a tool turn, then the assistant again.
+        flat = " ".join(roles).replace("assistant tool assistant", "assistant").split()
+        assert flat[::2] == ["user"] * len(flat[::2])
+        assert flat[1::2] == ["assistant"] * len(flat[1::2])
+        assert len(conv.intents) == len(flat) // 2
         assert all(t.content.strip() for t in conv.turns)
+
+
+def test_tool_conversations_render_as_the_template_does(tmp_path: Path) -> None:
+    convs = [c for c in make_corpus(400) if "order_lookup" in c.intents]
+    assert len(convs) > 10
+    tok, _ = make_tokenizer(tmp_path, n=50)
+    conv = convs[0]
+    call = json.loads(
+        conv.turns[2].content.removeprefix("<tool_call>").removesuffix("</tool_call>")
+    )
+    assert call["name"] == "lookup_order" and call["arguments"]["order_id"] in conv.turns[1].content
+    messages = [
+        {"role": "user", "content": conv.turns[1].content},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": call},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": conv.turns[3].content},
+    ]  # fmt: skip
+    rendered = tok.apply_chat_template(
+        messages, tools=[{"type": "function", "function": LOOKUP_ORDER}], tokenize=False
+    )
+    [(ids, _)] = encode_chats(tok, [[(t.role, t.content) for t in conv.turns[:4]]])
+    assert tok.encode(rendered, add_special_tokens=False) == ids
 
 
 def test_offtopic_questions_get_the_fallback() -> None:
@@ -95,6 +121,8 @@ def test_offtopic_questions_get_the_fallback() -> None:
     assert fallbacks
     for conv in fallbacks:
         answers = [t.content for t in conv.turns if t.role == "assistant"]
+        if conv.turns[0].content in corpus.JSON_PROMPTS:  # asked for JSON: the same, wrapped
+            answers = [json.loads(a)["answer"] for a in answers]
         assert answers[conv.intents.index("fallback")] == FALLBACK_ANSWER
 
 
@@ -156,7 +184,7 @@ def test_chat_template_generation_prompt_and_roles(tmp_path: Path) -> None:
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     assert ids[-1] == tok.convert_tokens_to_ids(ASSISTANT)
     with pytest.raises(Exception, match="unsupported role"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tok.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
 
 
 def test_tokenizer_training_is_deterministic() -> None:

@@ -106,11 +106,8 @@ async def test_more_engine_requests_than_the_endpoint_admits_is_400_stating_the_
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"),
         ("functions", [{"name": "f"}]),
         ("function_call", {"name": "f"}),
-        ("response_format", {"type": "json_object"}),
         ("logit_bias", {"50256": -100}),
     ],
 )
