@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from app.openai.errors import APIError
 from app.openai.prompts import prompt_byte_limit
 from engine.errors import InvalidRequest
 from engine.protocol import EngineClient
-from engine.structured.compiler import GrammarCompiler
+from engine.structured.compiler import GrammarCompiler, start_compiler
 from engine.structured.grammar import Grammar
 
 
@@ -44,11 +45,14 @@ class ModelEndpoint:
     vocab_size: int = field(init=False)
     prompt_byte_limit: int | None = field(init=False)
     _token_texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
-    _grammars: GrammarCompiler | None = field(default=None, init=False, repr=False)
+    _grammars: Future[GrammarCompiler] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.vocab_size = len(self.tokenizer)
         self.prompt_byte_limit = prompt_byte_limit(self.tokenizer, self.max_model_len)
+        eos = self.tokenizer.eos_token_id
+        eos_ids = () if eos is None else (int(eos),)
+        self._grammars = start_compiler(self.tokenizer, self.vocab_size, eos_ids)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs), cached: at most vocab entries."""
@@ -65,18 +69,14 @@ class ModelEndpoint:
         await asyncio.to_thread(self._check_grammar, grammar)
 
     def _check_grammar(self, grammar: Grammar) -> None:
-        if self._grammars is None:
-            eos = self.tokenizer.eos_token_id
-            try:
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, self.vocab_size, () if eos is None else (int(eos),)
-                )
-            except Exception as exc:
-                raise InvalidRequest(
-                    grammar.param,
-                    f"structured output is not available for this model's tokenizer: {exc}",
-                ) from exc
-        self._grammars.check(grammar)
+        try:
+            compiler = self._grammars.result()
+        except Exception as exc:
+            raise InvalidRequest(
+                grammar.param,
+                f"structured output is not available for this model's tokenizer: {exc}",
+            ) from exc
+        compiler.check(grammar)
 
     def card(self) -> dict[str, Any]:
         """The `/v1/models` entry."""

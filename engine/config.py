@@ -77,6 +77,9 @@ class EngineConfig:
     attention_backend: str | None = None  # None picks the best that supports the setup
     seed: int = 0
     stall_timeout_s: float = field(default=30.0, metadata={"gt": 0})
+    # Grammar-constrained requests verify the tokens their grammar forces as drafts, several
+    # per step (engine.structured.masks); off: one forward pass per token, as for free text.
+    jump_forward: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

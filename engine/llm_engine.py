@@ -45,7 +45,7 @@ from engine.spec.policy import (
 )
 from engine.spec.proposer import Draft, NoopProposer, Proposer
 from engine.stats import SpecStats
-from engine.structured.compiler import GrammarCompiler
+from engine.structured.compiler import start_compiler
 from engine.structured.masks import GrammarStates, TokenMask
 from engine.tokenizer import load_tokenizer
 
@@ -121,7 +121,11 @@ class LLMEngine:
             spec_policy = build_policy(config.speculative)
         self.spec_policy = spec_policy
         self._to_propose: list[Sequence] = []
-        self._grammars: GrammarStates | None = None  # built with the first constrained request
+        # The grammar compiler is built in the background from now; the per-request state
+        # with the first constrained request.
+        self._compiler = start_compiler(self.tokenizer, info.vocab_size, self.eos_token_ids)
+        self._grammars: GrammarStates | None = None
+        self._forced: set[str] = set()  # requests whose drafts are grammar-forced tokens
         self.counters = EngineCounters()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # only requests that carry one
@@ -146,13 +150,11 @@ class LLMEngine:
             self.grammars().compiler.check(request.sampling.grammar)
 
     def grammars(self) -> GrammarStates:
-        """The grammar state of constrained requests (built on first use: it wraps the
-        tokenizer's vocabulary once, which a server that never sees a grammar never pays)."""
+        """The grammar state of constrained requests (its compiler started building with the
+        engine, off this thread; a server that never sees a grammar never uses it)."""
         if self._grammars is None:
             try:
-                compiler = GrammarCompiler(
-                    self.tokenizer, self.runner.info.vocab_size, self.eos_token_ids
-                )
+                compiler = self._compiler.result()
             except Exception as exc:
                 raise InvalidRequest(
                     "response_format",
@@ -221,7 +223,11 @@ class LLMEngine:
             self._observe(out, chunks, results, time.perf_counter() - started)
             # Proposed at the start of the next step, so these deltas (a first token above
             # all) leave before the draft model runs.
-            self._to_propose = [n.seq for n in news if n.seq.status is SequenceStatus.RUNNING]
+            self._to_propose = [
+                n.seq
+                for n in news
+                if n.seq.status is SequenceStatus.RUNNING and n.seq.request_id not in self._forced
+            ]
         return expired + deltas if expired else deltas
 
     def _expire_deadlines(self) -> list[TokenDelta]:
@@ -332,8 +338,11 @@ class LLMEngine:
             return self._finish_failed(_NewTokens(seq, error=f"{type(e).__name__}: {e}"))
         seq.token_ids.extend(tokens)
         self.counters.generated_tokens += len(tokens)
-        if chunk.spec_token_ids:
+        forced = seq.request_id in self._forced
+        if chunk.spec_token_ids and not forced:
             self._count_drafts(seq, len(chunk.spec_token_ids), result.num_accepted)
+        if self._grammars is not None and seq.request_id in self._grammars:
+            self._force_drafts(seq, finished=reason is not None)
         if seq.timings.first_token is None:
             seq.timings.first_token = time.monotonic()
         logprobs = result.logprobs
@@ -343,6 +352,23 @@ class LLMEngine:
         # may end on a draft whose K/V is valid, but the request finishes anyway.
         accepted = min(result.num_accepted, len(tokens) - 1)
         return _NewTokens(seq, tokens, text, logprobs, reason, num_accepted=accepted)
+
+    def _force_drafts(self, seq: Sequence, finished: bool) -> None:
+        """Make the tokens the grammar forces next `seq`'s drafts (jump-forward), replacing
+        the forced drafts it just verified."""
+        assert self._grammars is not None
+        was_forced = seq.request_id in self._forced
+        self._forced.discard(seq.request_id)
+        forced = (
+            self._grammars.forced(seq.request_id, MAX_SPEC_TOKENS)
+            if self.config.jump_forward and not finished
+            else []
+        )
+        if forced:
+            seq.spec_token_ids, seq.spec_probs = forced, None
+            self._forced.add(seq.request_id)
+        elif was_forced:
+            seq.spec_token_ids, seq.spec_probs = [], None
 
     @staticmethod
     def _num_accepted(
@@ -400,7 +426,7 @@ class LLMEngine:
         verified = [
             Verified(c.seq.request_id, len(c.spec_token_ids), r.num_accepted)
             for c, r in zip(chunks, results, strict=True)
-            if c.spec_token_ids and not isinstance(r, str)
+            if c.spec_token_ids and not isinstance(r, str) and c.seq.request_id not in self._forced
         ]
         if verified:
             self.counters.verify_seconds += seconds
@@ -465,6 +491,7 @@ class LLMEngine:
         self.sampler.forget(request_id)
         if self._grammars is not None:
             self._grammars.forget(request_id)
+            self._forced.discard(request_id)
         if self.speculating:
             assert self.spec_policy is not None
             self.spec_policy.forget(request_id)

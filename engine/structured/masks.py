@@ -12,6 +12,10 @@ it; greedy never matches it), so the step's own token is drawn at its position, 
 Masks are computed on a worker thread while the forward pass runs (llguidance releases the
 GIL, as do torch's kernels), so the step waits only for what the forward did not cover.
 Unconstrained requests never touch any of this.
+
+Tokens the grammar forces (`forced`) become the sequence's drafts for the next step: their
+masks allow nothing else, so verification keeps them (a different tokenization of the same
+text is the only way one is rejected) and a forced run costs one forward pass.
 """
 
 from __future__ import annotations
@@ -34,23 +38,34 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 @dataclass(slots=True)
 class TokenMask:
     """The allowed tokens of some logits rows: bit `t % 32` of word `t // 32` of `bits[i]`
-    is set when token `t` may follow in row `rows[i]`."""
+    is set when token `t` may follow in row `rows[i]`. `blocked` is the same unpacked
+    ([len(rows), vocab] bool, True where disallowed), made on the worker thread so the
+    sampler's part is one masked fill."""
 
     rows: list[int]
     bits: torch.Tensor  # [len(rows), words] int32
+    blocked: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.blocked is None:
+            n = len(self.rows)
+            unpacked = (self.bits.unsqueeze(-1) >> _SHIFTS) & 1
+            self.blocked = unpacked.view(n, -1) == 0
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """[len(rows), vocab_size] bool."""
-        n = len(self.rows)
-        unpacked = (self.bits.unsqueeze(-1) >> _SHIFTS) & 1
-        return unpacked.view(n, -1)[:, :vocab_size].bool()
+        assert self.blocked is not None
+        return ~self.blocked[:, :vocab_size]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A float32 copy of `logits` ([N, V]) with every disallowed token at -inf."""
+        assert self.blocked is not None
         out = logits.to(torch.float32, copy=True)
+        blocked = self.blocked[:, : out.shape[1]].to(out.device)
+        if len(self.rows) == out.shape[0]:  # every row constrained: rows are 0..N-1 in order
+            return out.masked_fill_(blocked, float("-inf"))
         rows = torch.tensor(self.rows, device=out.device)
-        allowed = self.allowed(out.shape[1]).to(out.device)
-        out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+        out[rows] = out[rows].masked_fill(blocked, float("-inf"))
         return out
 
     def window(self, start: int, stop: int) -> TokenMask | None:
@@ -58,7 +73,8 @@ class TokenMask:
         keep = [i for i, r in enumerate(self.rows) if start <= r < stop]
         if not keep:
             return None
-        return TokenMask([self.rows[i] - start for i in keep], self.bits[keep])
+        assert self.blocked is not None
+        return TokenMask([self.rows[i] - start for i in keep], self.bits[keep], self.blocked[keep])
 
 
 class GrammarViolation(Exception):
@@ -124,11 +140,21 @@ class GrammarStates:
             except Exception as exc:  # this request's grammar only
                 errors[chunk.seq.request_id] = f"the output grammar failed: {exc}"
             i += len(drafts) + 1
+        mask = TokenMask(rows, bits)  # unpacked here, off the sampler's path
         self.mask_seconds += time.perf_counter() - started
         self.masked_rows += len(rows)
-        return TokenMask(rows, bits), errors
+        return mask, errors
 
     # -- after sampling ---------------------------------------------------------------------
+
+    def forced(self, request_id: str, limit: int) -> list[int]:
+        """The next tokens the grammar allows no alternative to (a JSON key and its quotes,
+        say), at most `limit`: the engine verifies them as drafts in the next step, so a run
+        the grammar dictates costs one forward pass, not one per token (jump-forward)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_stopped() or matcher.is_error():
+            return []
+        return list(matcher.compute_ff_tokens()[:limit])
 
     def advance(
         self, request_id: str, tokens: list[int], eos_token_ids: tuple[int, ...]

@@ -136,6 +136,26 @@ def test_compiled_once_per_grammar(engine):
     assert compiler.compiled == before + 1
 
 
+def test_jump_forward_verifies_forced_tokens_several_per_step():
+    grammar = Grammar.json_schema(SCHEMA)
+    greedy = SamplingParams(max_tokens=200, temperature=0.0, grammar=grammar)
+    on, off = LLMEngine(tiny_config()), LLMEngine(tiny_config(jump_forward=False))
+    for eng in (on, off):
+        eng.add_request(make_request("g", prompt_ids(11, 9), greedy))
+        for i in range(3):
+            eng.add_request(make_request(f"r{i}", prompt_ids(i, 9), sampled(grammar, seed=60 + i)))
+    out_on, out_off = run_all(on), run_all(off)
+    # Greedy: the same text either way; the forced keys and quotes arrive several per step.
+    assert text(out_on["g"]) == text(out_off["g"])
+    assert len(out_on["g"]) < len(tokens(out_on["g"]))
+    assert len(out_off["g"]) == len(tokens(out_off["g"]))
+    assert on.counters.steps < off.counters.steps
+    assert on.counters.draft_tokens == 0  # not speculation: its statistics stay untouched
+    for deltas in out_on.values():
+        assert deltas[-1].finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(text(deltas)), SCHEMA)
+
+
 class NoisyProposer:
     """Drafts random tokens (most of which the grammar refuses) and, now and then, the
     tokens of a valid continuation, so both verification paths run."""
