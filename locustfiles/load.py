@@ -1,6 +1,6 @@
 """`make load`'s locustfile: every kind of user against one server, in steps of load.
 
-    LOAD_STEPS=4,8,12,8,4 LOAD_STEP_S=15 locust -f locustfiles/load.py --headless \
+    LOAD_STEPS=4,12,24,12,4 LOAD_STEP_S=15 locust -f locustfiles/load.py --headless \
         --host http://127.0.0.1:8000
 
 (`make load` runs it, and also samples the server and writes the report: `locustfiles/run.py`.)

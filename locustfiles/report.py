@@ -206,7 +206,9 @@ def render_html(
         "<p class='note'>Server: <code>firstlight_time_to_first_token_seconds</code> from "
         "<code>/metrics</code>, the bucket counts added during the run (p50 interpolated "
         "within its bucket; the mean is exact). Client: the same completed requests as "
-        "Locust saw them.</p>",
+        "Locust saw them. The client's TTFT also holds what the server's clock cannot see: "
+        "sending the request, the server reading it before its handler starts, and the "
+        "client's own scheduling (Locust shares the machine).</p>",
         "<h2>Over time</h2>",
         *charts(summary),
         "<h2>Locust statistics</h2>",
@@ -227,10 +229,14 @@ def summary_lines(summary: LoadSummary) -> list[str]:
         s = c.server
         if s is None or not s.requests:
             continue
+        gap = (
+            None if s.client_mean_ms is None or s.mean_ms is None else s.client_mean_ms - s.mean_ms
+        )
         lines.append(
-            f"  TTFT {c.tier:<11} p50 client {ms(s.client_p50_ms)} ms vs server "
-            f"{ms(s.p50_ms)} ms (buckets); mean client {ms(s.client_mean_ms)} ms vs server "
-            f"{ms(s.mean_ms)} ms ({s.client_requests} / {s.requests} requests)"
+            f"  TTFT {c.tier:<11} client p50 {ms(s.client_p50_ms)} / mean {ms(s.client_mean_ms)} "
+            f"ms; server p50 {ms(s.p50_ms)} (buckets) / mean {ms(s.mean_ms)} ms; client - "
+            f"server mean {'-' if gap is None else f'{gap:+.1f}'} ms "
+            f"({s.client_requests} / {s.requests} requests)"
         )
     if summary.max_replicas is not None:
         lines.append(f"  replicas: up to {summary.max_replicas}")

@@ -39,7 +39,10 @@ from locustfiles.settings import LoadSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = ROOT / "locustfiles" / "load.py"
-GRACE_S = 60.0  # past the shape's length before Locust is stopped (start-up, last streams)
+# Users leaving (a step down, the end) finish the stream they are reading first, so the only
+# streams cut short are DropUser's; past this, Locust stops them anyway.
+STOP_TIMEOUT_S = 30
+GRACE_S = 60.0 + STOP_TIMEOUT_S  # past the shape's length before Locust is stopped
 
 
 @contextlib.contextmanager
@@ -70,7 +73,7 @@ def run_locust(settings: LoadSettings, url: str, out: Path) -> int:
     command = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
         "--csv", str(out / "locust"), "--csv-full-history", "--only-summary",
-        "--loglevel", "WARNING",
+        "--stop-timeout", str(STOP_TIMEOUT_S), "--loglevel", "WARNING",
     ]  # fmt: skip
     env = {**os.environ, "LOAD_RECORDS": str(out / "requests.jsonl")}
     with (out / "locust.log").open("w") as log:

@@ -40,7 +40,7 @@ class LoadSettings(BaseSettings):
 
     host: str = "http://127.0.0.1:8000"  # a server on this machine only (loopback)
     model: str = "demo"  # what the users send as `model`
-    steps: str = "4,8,12,8,4"  # users per step, comma-separated
+    steps: str = "4,12,24,12,4"  # users per step, comma-separated
     step_s: float = Field(15.0, gt=0, le=600)  # how long each step is held
     spawn_rate: float = Field(4.0, gt=0)  # users started (or stopped) per second
     out: str = ""  # report folder; empty: bench/out/load-<time>
@@ -74,7 +74,7 @@ class LoadSettings(BaseSettings):
     def _user_counts(cls, value: str) -> str:
         counts = [part.strip() for part in value.split(",")]
         if not counts or not all(c.isdigit() for c in counts) or max(map(int, counts)) == 0:
-            raise ValueError(f"{value!r}: expected user counts like 4,8,12,8,4")
+            raise ValueError(f"{value!r}: expected user counts like 4,12,24,12,4")
         return value
 
     def user_steps(self) -> list[int]:

@@ -55,6 +55,7 @@ def test_printed_summary_has_per_class_lines_and_client_vs_server_ttft() -> None
     assert lines[0].lstrip().startswith("interactive sent 3, completed 2, dropped 1, errors 0")
     assert lines[1].lstrip().startswith("flex")
     ttft = next(line for line in lines if "TTFT interactive" in line)
-    assert "mean client 21.5 ms vs server 20.5 ms (2 / 2 requests)" in ttft
+    assert "client p50 21.5 / mean 21.5 ms; server p50" in ttft
+    assert "/ mean 20.5 ms; client - server mean +1.0 ms (2 / 2 requests)" in ttft
     assert "  replicas: up to 2" in lines
     assert any("dropped by the client: 1; cancelled on the server: 1" in line for line in lines)
