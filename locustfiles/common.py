@@ -11,8 +11,7 @@ to Locust's statistics, all in milliseconds, named by service tier:
   request, carrying its `StreamRecord` in the event's context.
 
 With `LOAD_RECORDS=path` set, every request's `StreamRecord` is also appended to that file
-as one JSON line (what `make load`'s report reads). Run Locust from the repository root
-(Locust puts the working directory on `sys.path`, which makes `locustfiles` importable).
+as one JSON line (what `make load`'s report reads).
 """
 
 from __future__ import annotations

@@ -19,8 +19,13 @@
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 from locust import LoadTestShape, between, task
+
+if __package__ != "locustfiles":  # `locust -f` loaded this file by path: find the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from locustfiles.chat import ChatUser
 from locustfiles.common import StreamingUser
