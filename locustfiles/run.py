@@ -75,7 +75,9 @@ def run_locust(settings: LoadSettings, url: str, out: Path) -> int:
         "--csv", str(out / "locust"), "--csv-full-history", "--only-summary",
         "--stop-timeout", str(STOP_TIMEOUT_S), "--loglevel", "WARNING",
     ]  # fmt: skip
-    env = {**os.environ, "LOAD_RECORDS": str(out / "requests.jsonl")}
+    records = out / "requests.jsonl"
+    records.unlink(missing_ok=True)  # the users append: a reused LOAD_OUT starts empty
+    env = {**os.environ, "LOAD_RECORDS": str(records)}
     with (out / "locust.log").open("w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
         try:
