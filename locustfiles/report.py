@@ -246,6 +246,7 @@ def summary_lines(summary: LoadSummary) -> list[str]:
             f"  dropped by the client: {dropped}; cancelled on the server: "
             f"{summary.server_cancelled:.0f}"
         )
+    lines += [f"  note: {note}" for note in summary.notes]
     return lines
 
 

@@ -156,6 +156,9 @@ def run(settings: LoadSettings, out: Path) -> Path:
         )
     )
     print("\n".join(summary_lines(summary)))
+    print(f"load: report {report.resolve()}")
+    if not any(c.ok for c in summary.classes.values()):
+        raise SystemExit("load: no request completed")
     return report
 
 
@@ -178,8 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     settings = LoadSettings()
     out = Path(settings.out or ROOT / "bench" / "out" / time.strftime("load-%Y%m%d-%H%M%S"))
-    report = run(settings, out)
-    print(f"load: report {report.resolve()}")
+    run(settings, out)
 
 
 if __name__ == "__main__":

@@ -58,4 +58,7 @@ def test_printed_summary_has_per_class_lines_and_client_vs_server_ttft() -> None
     assert "client p50 21.5 / mean 21.5 ms; server p50" in ttft
     assert "/ mean 20.5 ms; client - server mean +1.0 ms (2 / 2 requests)" in ttft
     assert "  replicas: up to 2" in lines
-    assert any("dropped by the client: 1; cancelled on the server: 1" in line for line in lines)
+    assert "  dropped by the client: 1; cancelled on the server: 1" in lines
+    errors = make_record(at=5, ttft_ms=-1, outcome="error", error="HTTP 404")
+    inputs = RunInputs(records=[errors], start=START, end=START + 1, slos=LoadSettings().slos())
+    assert "  note: errors seen: HTTP 404" in summary_lines(analyze(inputs))
