@@ -75,7 +75,7 @@ class StreamingUser(HttpUser):
                     outcome, error, tokens = _read(resp, start, chunks, drop_after)
                 else:
                     outcome, error = "error", f"HTTP {resp.status_code}"
-            except requests.RequestException as exc:  # e.g. the server closed mid-stream
+            except (requests.RequestException, ValueError) as exc:  # closed mid-stream, bad JSON
                 outcome, error = "error", f"{type(exc).__name__}: {exc}"
             finally:
                 resp.close()  # mid-stream: closes the connection, which the server notices
