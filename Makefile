@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.firstlight-setup
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup browser demo serve standalone screenshot test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec bench-batch bench-structured clean
+.PHONY: setup browser demo serve standalone screenshot load test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec bench-batch bench-structured clean
 
 setup: $(STAMP) browser
 
@@ -49,6 +49,12 @@ standalone: setup demo
 # docs/playground.png: the playground mid-stream (bare mode, demo model, headless Chromium)
 screenshot: setup demo
 	$(PY) -m app.playground.screenshot docs/playground.png
+
+# Locust against the server at LOAD_HOST (default http://127.0.0.1:8000, e.g. `make serve` in
+# another terminal), or against bare mode started for the run when none answers; about 75 s.
+# Report: bench/out/load-<time>/report.html (settings: LOAD_* variables, locustfiles/settings.py)
+load: setup demo
+	$(PY) -m locustfiles.run
 
 test: setup demo
 	$(PY) -m pytest -q tests
