@@ -15,7 +15,7 @@ leaves); that call returns once the request's last delta is on the socket, or re
 Transport: a Unix socket when both ends are on the same node, else TCP to the ingress's node
 (two raylets on one host are two nodes: TCP). Each side says which it took: the ingress
 counts accepted connections by transport (`firstlight_token_channel_connections_total`
-in `/metrics`), the replica logs each connection it opens.
+in `/metrics`), the replica logs each connection it opens (INFO).
 A replica opens each connection by sending the ingress's random secret (it travels in the
 `ChannelAddress` of every request, over Serve); the ingress drops any connection that does
 not, so nobody else can inject tokens into a stream. Frames are a 4-byte length and a JSON
