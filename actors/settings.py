@@ -35,7 +35,7 @@ class DeploymentSection(BaseModel):
     def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
         for name, amount in resources.items():
             if name in _RAY_BUILTIN:
-                raise ValueError(f"{name!r} is not a custom resource (use num_cpus)")
+                raise ValueError(f"{name!r} is Ray's own resource, not a custom one")
             if amount <= 0 or (amount > 1 and not float(amount).is_integer()):
                 raise ValueError(
                     f"{name}: {amount} (Ray takes a fraction up to 1, or a whole number)"
