@@ -13,6 +13,10 @@
        └──────── token channel ──────────┘
        └──────────── sync (metrics out, cluster view back) ─────────────────┘
 
+Each deployment's section (`replica`, `ingress`, `control_plane`, `draft_replica`,
+`batch_jobs`) gives its replicas' `num_cpus` and custom Ray `resources`, which place them on
+the nodes that have those resources (README: "A two-node cluster on one machine").
+
 Bad configuration fails here, at `serve run`, with a message naming the field.
 """
 
@@ -75,7 +79,7 @@ def request_router(config: AppConfig) -> RequestRouterConfig:
 
 def application(config: AppConfig) -> Application:
     control_plane = ControlPlane.options(
-        ray_actor_options={"num_cpus": config.control_plane.num_cpus},
+        ray_actor_options=config.control_plane.ray_actor_options(),
         logging_config=_QUIET,
     ).bind(config.control_plane)
     replica = config.replica
@@ -88,7 +92,7 @@ def application(config: AppConfig) -> Application:
         health_check_timeout_s=replica.health_check_timeout_s,
         graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
         request_router_config=request_router(config),
-        ray_actor_options={"num_cpus": replica.num_cpus},
+        ray_actor_options=replica.ray_actor_options(),
         logging_config=_QUIET,
     ).bind(config, control_plane, _draft_replica(config))
     ingress = config.ingress
@@ -96,7 +100,7 @@ def application(config: AppConfig) -> Application:
     if config.batch.enabled:
         batch_jobs = BatchJobs.options(
             num_replicas=1,
-            ray_actor_options={"num_cpus": config.batch_jobs.num_cpus},
+            ray_actor_options=config.batch_jobs.ray_actor_options(),
             logging_config=_QUIET,
         ).bind(config, replicas, control_plane)
     return Ingress.options(
@@ -104,7 +108,7 @@ def application(config: AppConfig) -> Application:
         max_ongoing_requests=ingress.max_ongoing_requests,
         max_queued_requests=ingress.max_ongoing_requests,
         backpressure_config=_BACKPRESSURE,
-        ray_actor_options={"num_cpus": ingress.num_cpus},
+        ray_actor_options=ingress.ray_actor_options(),
     ).bind(config, replicas, control_plane, batch_jobs)
 
 
@@ -115,7 +119,7 @@ def _draft_replica(config: AppConfig) -> Application | None:
         return None
     return DraftReplica.options(
         num_replicas=1,
-        ray_actor_options={"num_cpus": config.draft_replica.num_cpus},
+        ray_actor_options=config.draft_replica.ray_actor_options(),
         health_check_period_s=5.0,
         logging_config=_QUIET,
     ).bind(config)

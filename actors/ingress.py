@@ -9,7 +9,8 @@ What it adds to the app, and nothing else:
   ingress's HTTP metrics and gets back the cluster view plus everyone else's metrics. Requests
   read only that local `ClusterCache` (early 503, `/metrics`), never the control plane;
 * `/metrics` renders this ingress's fresh metrics merged with the cached rest, so one scrape
-  covers every replica and every ingress;
+  covers every replica and every ingress; an ingress's own metrics include its token
+  channel's accepted connections by transport (unix: same node, tcp: another node);
 * a stalled HTTP reader can be cut: Serve's ASGI `send` never blocks (it queues messages for
   the proxy, which stops taking them while its client does not read), so the outermost layer
   (`_SendBacklog`) tells the SSE writer how long the oldest queued message has waited.
@@ -40,7 +41,7 @@ from actors.model_endpoint import (
 from actors.runtime import replica_id
 from actors.serve_internals import serve_send_queue
 from actors.settings import AppConfig
-from app.metric_snapshot import Snapshot
+from app.metric_snapshot import Snapshot, merge_snapshots
 from app.metrics import Metrics
 from app.openai_server import build_app
 from app.sse import SEND_BACKLOG_KEY
@@ -69,9 +70,7 @@ class Ingress:
             config, replicas, self.ingress_id, self.cache
         )
         self._sync_task = asyncio.create_task(
-            sync_forever(
-                control_plane, self.cache, self.ingress_id, self.metrics.snapshot, interval
-            ),
+            sync_forever(control_plane, self.cache, self.ingress_id, self._own_metrics, interval),
             name="ingress-sync",
         )
         await wait_for_first_view(self.cache, timeout_s=max(5.0, 10 * interval))
@@ -84,8 +83,16 @@ class Ingress:
         app.add_middleware(_OneRequestIdHeader)
         return _SendBacklog(app)
 
+    def _own_metrics(self) -> Snapshot:
+        """What this ingress pushes to the control plane: its HTTP metrics and channel's."""
+        return merge_snapshots(self.metrics.snapshot(), self._channel_metrics())
+
+    def _channel_metrics(self) -> Snapshot:
+        channel = self.client.channel
+        return {} if channel is None else channel.snapshot()
+
     async def _others(self) -> Iterable[Snapshot]:
-        return [self.cache.snapshot.metrics]
+        return [self.cache.snapshot.metrics, self._channel_metrics()]
 
     async def __del__(self) -> None:
         await disconnect(getattr(self, "_sync_task", None), getattr(self, "client", None))

@@ -48,12 +48,15 @@ class ReplicaError:
 
 @dataclass(slots=True, frozen=True)
 class ReplicaInfo:
-    """What an ingress needs to know about the model a replica serves."""
+    """What an ingress needs to know about the model a replica serves. The ingress loads its
+    tokenizer on its own node (`engine.model` resolved there) and checks it against
+    `tokenizer_digest`: `model_path` may exist only on the replica's node."""
 
     replica_id: str
     model: str  # the served model name
-    model_path: str  # local directory of weights and tokenizer
+    model_path: str  # its weights and tokenizer, on the replica's node (for logs only)
     max_model_len: int
+    tokenizer_digest: str  # `engine.tokenizer.tokenizer_digest` of the replica's tokenizer
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,16 +10,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
 from actors.cluster import ClusterCache, IngressReport
 from actors.messages import ReplicaInfo
 from actors.replica_client import ReplicaClient
+from actors.runtime import node_ip
 from actors.settings import AppConfig
 from app.endpoint import ModelEndpoint
 from app.metric_snapshot import Snapshot
-from engine.tokenizer import load_tokenizer
+from demo.paths import ModelNotFoundError, resolve_model
+from engine.models.resolve import ModelResolver
+from engine.tokenizer import load_tokenizer, tokenizer_digest
 
 logger = logging.getLogger("firstlight.ingress")
 
@@ -33,10 +37,18 @@ def cluster_cache(config: AppConfig) -> ClusterCache:
 
 
 async def connect_endpoint(
-    config: AppConfig, replicas: DeploymentHandle, owner_id: str, cache: ClusterCache
+    config: AppConfig,
+    replicas: DeploymentHandle,
+    owner_id: str,
+    cache: ClusterCache,
+    resolve: ModelResolver = resolve_model,
 ) -> tuple[ReplicaClient, ModelEndpoint]:
-    """A client of the replicas and the endpoint over it (waits for a replica's info; the
-    tokenizer loads on this node from the path the replica reports)."""
+    """A client of the replicas and the endpoint over it (waits for a replica's info).
+
+    The tokenizer loads on this process's node, from `engine.model` resolved here (a local
+    directory, or the demo built on this node), never from the replica's path, which may
+    exist only on the replica's node. A tokenizer that differs from the replica's (its
+    `tokenizer_digest`) fails here: token ids would mean other words on the two sides."""
     client = await ReplicaClient.connect(
         replicas,
         config.ingress,
@@ -46,12 +58,24 @@ async def connect_endpoint(
         retry_after=cache.retry_after_s,
         capacity=cache.check_capacity,
     )
-    async with asyncio.timeout(config.ingress.info_timeout_s):
-        info: ReplicaInfo = await replicas.info.remote()
+    try:
+        tokenizer, digest = await asyncio.to_thread(_local_tokenizer, config.engine.model, resolve)
+        async with asyncio.timeout(config.ingress.info_timeout_s):
+            info: ReplicaInfo = await replicas.info.remote()
+        if digest != info.tokenizer_digest:
+            raise TokenizerMismatchError(
+                f"engine.model {config.engine.model!r} resolves on this node "
+                f"({node_ip()}) to a tokenizer other than the one replica {info.replica_id} "
+                f"serves (from {info.model_path} on its node): build or copy the same model "
+                "on every node"
+            )
+    except BaseException:
+        await client.close()
+        raise
     scheduler = config.engine.scheduler
     endpoint = ModelEndpoint(
         name=config.served_model_name,
-        tokenizer=await asyncio.to_thread(load_tokenizer, info.model_path),
+        tokenizer=tokenizer,
         max_model_len=info.max_model_len,
         client=client,
         root=config.engine.model,
@@ -59,6 +83,20 @@ async def connect_endpoint(
         max_requests=scheduler.max_num_seqs + scheduler.max_waiting,
     )
     return client, endpoint
+
+
+class TokenizerMismatchError(RuntimeError):
+    """This node's tokenizer for `engine.model` is not the one the model replicas use."""
+
+
+def _local_tokenizer(model: str, resolve: ModelResolver) -> tuple[Any, str]:
+    """`model`'s tokenizer as this node resolves it, and its digest."""
+    try:
+        path = resolve(model)
+    except ModelNotFoundError as exc:
+        raise ModelNotFoundError(f"engine.model on this node ({node_ip()}): {exc}") from None
+    tokenizer = load_tokenizer(path)
+    return tokenizer, tokenizer_digest(tokenizer)
 
 
 async def sync_forever(

@@ -39,6 +39,7 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequest, QueueFull, Unavailable
 from engine.process import freeze_startup_heap
 from engine.request import Request, SamplingParams, TokenDelta
+from engine.tokenizer import tokenizer_digest
 
 logger = logging.getLogger("firstlight.replica")
 
@@ -66,6 +67,7 @@ class ModelReplica:
             resolve_model=resolve_model,
             proposer=self.drafts,
         )
+        self._tokenizer_digest = tokenizer_digest(self.engine.tokenizer)
         self._draft_finder: asyncio.Task | None = None
         if draft_replica is not None:
             self._draft_finder = asyncio.create_task(
@@ -140,6 +142,7 @@ class ModelReplica:
             model=self.config.served_model_name,
             model_path=str(self.engine.engine.model_path),
             max_model_len=self.engine.max_model_len,
+            tokenizer_digest=self._tokenizer_digest,
         )
 
     async def stats(self) -> ReplicaStats:

@@ -11,11 +11,42 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.settings import Settings
 
 _SECTION = ConfigDict(extra="forbid", frozen=True)
+_RAY_BUILTIN = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+class DeploymentSection(BaseModel):
+    """What every deployment's section says about where its replicas run: `num_cpus` and
+    `resources`, custom Ray resources each replica needs (Ray's `ray_actor_options`). A
+    replica goes only to a node started with enough of them, e.g. `resources: {node2: 0.01}`
+    pins it to nodes started with `ray start --resources='{"node2": 1}'`."""
+
+    model_config = _SECTION
+
+    num_cpus: float = Field(0.1, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in _RAY_BUILTIN:
+                raise ValueError(f"{name!r} is Ray's own resource, not a custom one")
+            if amount <= 0 or (amount > 1 and not float(amount).is_integer()):
+                raise ValueError(
+                    f"{name}: {amount} (Ray takes a fraction up to 1, or a whole number)"
+                )
+        return resources
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
 
 
 class AutoscalingSettings(BaseModel):
@@ -45,12 +76,10 @@ class AutoscalingSettings(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
-class ReplicaSettings(BaseModel):
+class ReplicaSettings(DeploymentSection):
     """ModelReplica deployment options. Its `max_ongoing_requests` is derived from the engine
     (`AppConfig.replica_max_ongoing_requests`), so the engine's own admission decides, and
     Serve's queue (`max_queued_requests`) is a last resort."""
-
-    model_config = _SECTION
 
     num_cpus: float = Field(0.6, ge=0)
     autoscaling: AutoscalingSettings = AutoscalingSettings()
@@ -61,7 +90,7 @@ class ReplicaSettings(BaseModel):
     graceful_shutdown_timeout_s: float = Field(10.0, ge=0)
 
 
-class IngressSettings(BaseModel):
+class IngressSettings(DeploymentSection):
     """How deltas cross the replica → caller hop (any deployment's `ReplicaClient`).
 
     `token_path`: "channel" (default) sends them over the token channel, one frame per engine
@@ -71,8 +100,6 @@ class IngressSettings(BaseModel):
     the node's Ray address; "off": Unix socket only, single-node clusters).
     `transport`: how Serve carries the calls themselves: "grpc" (Serve's direct gRPC channel
     between replicas, plain pickle) or "actor" (Ray actor calls)."""
-
-    model_config = _SECTION
 
     token_path: Literal["channel", "stream"] = "channel"
     channel_tcp_host: str = "auto"
@@ -93,7 +120,7 @@ class IngressSettings(BaseModel):
         return {}
 
 
-class DraftReplicaSettings(BaseModel):
+class DraftReplicaSettings(DeploymentSection):
     """The DraftReplica deployment (actors/draft_replica.py): it serves the drafts of
     `engine.speculative.draft_model` to every ModelReplica when `engine.speculative.method` is
     "draft_model" and `enabled` is true (false: each replica runs the draft in its own
@@ -101,8 +128,6 @@ class DraftReplicaSettings(BaseModel):
     without drafts (backing off 1 s, doubling to 30 s, while the draft stays unreachable).
     `host`: "auto" listens on the node's address (targets on other nodes reach it),
     "loopback" on 127.0.0.1 only."""
-
-    model_config = _SECTION
 
     enabled: bool = True
     num_cpus: float = Field(0.2, ge=0)
@@ -112,17 +137,13 @@ class DraftReplicaSettings(BaseModel):
     address_refresh_s: float = Field(1.0, gt=0)  # how often a target without one asks again
 
 
-class BatchJobsSettings(BaseModel):
+class BatchJobsSettings(DeploymentSection):
     """The BatchJobs deployment (actors/batch_jobs.py), deployed when `batch.enabled`."""
-
-    model_config = _SECTION
 
     num_cpus: float = Field(0.1, ge=0)
 
 
-class ControlPlaneSettings(BaseModel):
-    model_config = _SECTION
-
+class ControlPlaneSettings(DeploymentSection):
     num_cpus: float = Field(0.1, ge=0)
     report_ttl_s: float = Field(3.0, gt=0)  # a replica or ingress silent this long is dropped
 

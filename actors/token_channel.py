@@ -12,7 +12,10 @@ routed, counted by `max_ongoing_requests` and the autoscaler, cancelled when the
 leaves); that call returns once the request's last delta is on the socket, or returns a
 `ReplicaError` when the engine refuses the request. Tokens still cross exactly one actor hop.
 
-Transport: a Unix socket when both ends are on the same node, else TCP to the ingress's node.
+Transport: a Unix socket when both ends are on the same node, else TCP to the ingress's node
+(two raylets on one host are two nodes: TCP). Each side says which it took: the ingress
+counts accepted connections by transport (`firstlight_token_channel_connections_total`
+in `/metrics`), the replica logs each connection it opens (INFO).
 A replica opens each connection by sending the ingress's random secret (it travels in the
 `ChannelAddress` of every request, over Serve); the ingress drops any connection that does
 not, so nobody else can inject tokens into a stream. Frames are a 4-byte length and a JSON
@@ -42,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from app.metric_snapshot import PREFIX, Snapshot
 from engine.async_engine import OutputSlot
 from engine.errors import InvalidRequest
 from engine.request import FinishReason, Timings, TokenDelta, TokenLogprob
@@ -49,6 +53,7 @@ from engine.request import FinishReason, Timings, TokenDelta, TokenLogprob
 logger = logging.getLogger("firstlight.channel")
 
 _HEADER = struct.Struct("!I")
+TRANSPORTS = ("unix", "tcp")
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a corrupt length must not make the reader allocate GiBs
 CONNECT_TIMEOUT_S = 10.0
 
@@ -149,8 +154,9 @@ class TokenInbox(OutputSlot):
 class _InboundProtocol(asyncio.Protocol):
     """One replica's connection into the ingress: parse frames, deliver each delta."""
 
-    def __init__(self, server: ChannelServer) -> None:
+    def __init__(self, server: ChannelServer, transport: str) -> None:
         self._server = server
+        self._kind = transport  # "unix" | "tcp"
         self._buffer = bytearray()
         self._transport: asyncio.BaseTransport | None = None
         self._authenticated = False
@@ -176,6 +182,7 @@ class _InboundProtocol(asyncio.Protocol):
                 self._drop("a peer without the channel's secret")
                 return
             self._authenticated = True
+            self._server.accepted[self._kind] += 1
             start = len(secret)
         end = len(buffer)
         while end - start >= 4:
@@ -199,7 +206,8 @@ class _InboundProtocol(asyncio.Protocol):
 class ChannelServer:
     """The ingress end: listens (Unix socket, plus TCP when `tcp_host` is set) and routes
     each arriving delta to the inbox of its request. Deltas of requests without an inbox
-    (the client already left) are dropped."""
+    (the client already left) are dropped. `accepted` counts the replica connections that
+    proved the secret, by transport."""
 
     def __init__(self) -> None:
         self._inboxes: dict[str, TokenInbox] = {}
@@ -207,20 +215,33 @@ class ChannelServer:
         self._path: str | None = None
         self.secret = secrets.token_bytes(16)
         self.address: ChannelAddress | None = None
+        self.accepted = dict.fromkeys(TRANSPORTS, 0)
 
     async def start(self, *, ingress_id: str, node_id: str, tcp_host: str | None) -> None:
         loop = asyncio.get_running_loop()
         # Unix socket paths are limited to ~107 bytes: keep it short, in the system temp dir.
         self._path = os.path.join(tempfile.gettempdir(), f"fl-{uuid.uuid4().hex[:16]}.sock")
-        unix = await loop.create_unix_server(lambda: _InboundProtocol(self), self._path)
+        unix = await loop.create_unix_server(lambda: _InboundProtocol(self, "unix"), self._path)
         os.chmod(self._path, 0o600)
         self._servers.append(unix)
         host, port = None, None
         if tcp_host:
-            tcp = await loop.create_server(lambda: _InboundProtocol(self), tcp_host, 0)
+            tcp = await loop.create_server(lambda: _InboundProtocol(self, "tcp"), tcp_host, 0)
             self._servers.append(tcp)
             host, port = tcp.sockets[0].getsockname()[:2]
         self.address = ChannelAddress(ingress_id, node_id, self._path, self.secret, host, port)
+
+    def snapshot(self) -> Snapshot:
+        """`accepted` as the `token_channel_connections` counter (app/metric_snapshot.py)."""
+        return {
+            PREFIX + "token_channel_connections": {
+                "type": "counter",
+                "help": "Replica connections accepted by a token channel, by transport "
+                "(unix: the replica is on the caller's node; tcp: on another node).",
+                "labels": ["transport"],
+                "series": [{"labels": [k], "value": float(n)} for k, n in self.accepted.items()],
+            }
+        }
 
     def open(self, request_id: str) -> TokenInbox:
         if request_id in self._inboxes:
@@ -286,6 +307,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, on_lost: Callable[[_Connection], None]) -> None:
         self._on_lost = on_lost
+        self.kind = ""  # its transport, "unix" | "tcp", once connected
         self._transport: asyncio.WriteTransport | None = None
         self._dirty: dict[str, ChannelSlot] = {}
         self._slots: dict[str, ChannelSlot] = {}
@@ -389,9 +411,14 @@ class ChannelPool:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             if address.node_id == self.node_id or address.host is None:
                 transport, conn = await loop.create_unix_connection(factory, address.path)
+                conn.kind, where = "unix", address.path
             else:
                 transport, conn = await loop.create_connection(factory, address.host, address.port)
+                conn.kind, where = "tcp", f"{address.host}:{address.port}"
         transport.write(address.secret)  # first bytes on the wire: who we are
+        logger.info(
+            "token channel to ingress %s over %s (%s)", address.ingress_id, conn.kind, where
+        )
         self._connections[address.ingress_id] = conn
         return conn
 

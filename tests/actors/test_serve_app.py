@@ -428,7 +428,7 @@ async def test_a_stalled_reader_is_cut_and_its_requests_aborted(base_url):
         writer.close()
 
 
-async def test_one_scrape_covers_replicas_and_ingress(base_url):
+async def test_one_scrape_covers_replicas_and_ingress(base_url, request):
     async with httpx.AsyncClient(base_url=base_url) as client:
         response = await client.get("/metrics")
         assert response.status_code == 200
@@ -438,6 +438,14 @@ async def test_one_scrape_covers_replicas_and_ingress(base_url):
     assert any(dict(labels).get("replica") == replica_id for labels in kv)
     assert total(metrics, "firstlight_time_to_first_token_seconds_count") >= 5
     assert total(metrics, "firstlight_request_success_total") >= 5
+    connections = {
+        dict(labels)["transport"]: value
+        for labels, value in metrics.get("firstlight_token_channel_connections_total", {}).items()
+    }
+    if request.node.callspec.params["base_url"] == "channel":  # one node: the Unix socket
+        assert connections["unix"] >= 1 and connections["tcp"] == 0
+    else:
+        assert connections == {}
 
 
 # -- a replica dying (keep last: it replaces the model replica) ------------------------------

@@ -107,6 +107,9 @@ def test_bare_mode_skips_exactly_the_serve_only_sections():
         ({"ingress": {"transport": "carrier-pigeon"}}, ["ingress.transport"]),
         ({"ingress": {"token_path": "smoke"}}, ["ingress.token_path"]),
         ({"policies": {"routing": "nope"}}, ["policies", "nope", "prefix_affinity"]),
+        ({"replica": {"resources": {"CPU": 1}}}, ["replica.resources", "not a custom one"]),
+        ({"ingress": {"resources": {"head": 1.5}}}, ["ingress.resources", "whole number"]),
+        ({"control_plane": {"resources": {"head": 0}}}, ["control_plane.resources"]),
         (
             {"policies": {"routing_options": {"prefix_affinity": {"max_imbalanse": 1}}}},
             ["policies", "max_imbalanse"],
@@ -172,3 +175,28 @@ def test_a_draft_replica_is_wired_only_when_drafts_come_from_one(args, draft):
         assert deployment_config(deployment).num_replicas == 1
     else:
         assert draft_arg is None
+
+
+def test_each_section_places_its_deployment_by_custom_resources():
+    pinned = {"resources": {"node2": 0.01}}
+    head = {"resources": {"head": 0.01}}
+    config = load_config(
+        {
+            "engine": {"speculative": {"method": "draft_model"}},
+            "replica": pinned,
+            "ingress": head,
+            "control_plane": head,
+            "draft_replica": head,
+            "batch_jobs": {"resources": {"head": 1}},
+        }
+    )
+    ingress = bound_deployment(application(config))
+    _, replicas, control_plane, batch_jobs = (bound_deployment(a) for a in ingress.init_args)
+    draft = bound_deployment(replicas.init_args[2])
+    assert replicas.ray_actor_options == {"num_cpus": 0.6, "resources": {"node2": 0.01}}
+    for deployment in (ingress, control_plane, draft):
+        assert deployment.ray_actor_options["resources"] == {"head": 0.01}
+    assert batch_jobs.ray_actor_options == {"num_cpus": 0.1, "resources": {"head": 1.0}}
+    # unset: Ray's own placement, no resources asked for
+    default = bound_deployment(application(load_config({})))
+    assert default.ray_actor_options == {"num_cpus": 0.4}

@@ -85,6 +85,7 @@ async def test_one_frame_per_step_carries_every_request(server):
     assert (await a.get()).text == "t1"
     assert (await b.get()).text == "t1"
     assert [[item[0] for item in items] for items in frames] == [["a", "b"]]
+    assert conn.kind == "unix" and server.accepted == {"unix": 1, "tcp": 0}  # same node
 
     slot_a.put(delta("a", 2, FinishReason.LENGTH), now=0.0)
     assert (await a.get()).finish_reason is FinishReason.LENGTH
@@ -116,7 +117,7 @@ async def test_frames_split_anywhere_are_reassembled_and_unknown_ids_dropped(ser
     data = frame([encode_delta(delta("gone", 1))]) + frame(
         [encode_delta(delta("x", 1)), encode_delta(delta("x", 2))]
     )
-    protocol = _InboundProtocol(server)
+    protocol = _InboundProtocol(server, "unix")
     data = server.secret + data
     for i in range(len(data)):  # one byte at a time
         protocol.data_received(data[i : i + 1])
@@ -140,7 +141,7 @@ async def test_a_corrupt_frame_closes_the_connection(server, garbage):
             closed.append(True)
 
     inbox = server.open("r")
-    protocol = _InboundProtocol(server)
+    protocol = _InboundProtocol(server, "unix")
     protocol.connection_made(Transport())  # type: ignore[arg-type]
     protocol.data_received(server.secret + garbage + frame([encode_delta(delta("r", 1))]))
     assert closed == [True]
@@ -155,6 +156,7 @@ async def test_a_peer_without_the_secret_is_dropped_before_any_frame(server):
     assert await asyncio.wait_for(reader.read(), 2) == b""  # closed by the ingress
     writer.close()
     assert inbox.pending is None
+    assert server.accepted == {"unix": 0, "tcp": 0}  # only peers with the secret count
 
 
 async def test_losing_the_connection_fails_its_slots_and_the_pool_reconnects(server):
@@ -186,6 +188,10 @@ async def test_replicas_on_other_nodes_use_tcp():
         inbox = server.open("t")
         conn.open("t").put(delta("t", 1), now=0.0)
         assert (await inbox.get()).token_ids == [1]
+        assert conn.kind == "tcp" and server.accepted == {"unix": 0, "tcp": 1}
+        (family,) = server.snapshot().values()  # what the ingress adds to /metrics
+        assert family["type"] == "counter" and family["labels"] == ["transport"]
+        assert {s["labels"][0]: s["value"] for s in family["series"]} == {"unix": 0, "tcp": 1}
         pool.close()
     finally:
         await server.stop()
