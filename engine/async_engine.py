@@ -131,6 +131,9 @@ class AsyncEngine:
         self._untaken = ClassCounts()
         self.num_cancelled = 0
         self.num_stalled = 0
+        # Wall-clock time a reader was first handed a delta (a replica clears it after its
+        # warm-up request, so it dates the first token served: cold-start timing).
+        self.first_delta_at: float | None = None
 
     @classmethod
     def from_config(
@@ -289,6 +292,8 @@ class AsyncEngine:
             num_cancelled=self.num_cancelled,
             num_reader_stalls=self.num_stalled,
             spec=self.engine.spec_stats(),
+            ttft_p95_interactive_s=self.engine.ttft.p95(RequestClass.INTERACTIVE),
+            ttft_p95_bulk_s=self.engine.ttft.p95(RequestClass.BULK),
         )
 
     # -- the engine thread -------------------------------------------------------------------
@@ -374,6 +379,8 @@ class AsyncEngine:
             if (slot := self._slots.get(rid)) is not None:
                 slot.fail(exc)
         finished = 0
+        if self.first_delta_at is None and result.deltas:
+            self.first_delta_at = time.time()
         for delta in result.deltas:
             finished += delta.finished
             slot = self._slots.get(delta.request_id)

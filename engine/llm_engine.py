@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.kv.block_hash import model_key
 from engine.kv.cache_manager import KVCacheManager
+from engine.kv.sketch import PrefixSketch
 from engine.models.resolve import ModelResolver, local_model_dir
 from engine.output.detokenizer import IncrementalDetokenizer
 from engine.output.stop import find_stop
@@ -44,7 +45,7 @@ from engine.spec.policy import (
     Verified,
 )
 from engine.spec.proposer import Draft, NoopProposer, Proposer
-from engine.stats import SpecStats
+from engine.stats import SpecStats, TTFTWindow
 from engine.structured.compiler import start_compiler
 from engine.structured.masks import GrammarStates, TokenMask
 from engine.tokenizer import load_tokenizer
@@ -102,11 +103,19 @@ class LLMEngine:
         # One sequence must always fit in the pool on its own (after preempting the rest).
         pool_tokens = self.runner.num_blocks * self.runner.block_size
         self.max_model_len = min(self.runner.max_model_len, pool_tokens)
+        extra_key = model_key(str(self.model_path.name))
+        # What the prefix cache holds, as diffs for routers (None: nothing is ever cached).
+        self.sketch = (
+            PrefixSketch(extra_key, self.runner.block_size)
+            if config.cache.enable_prefix_caching
+            else None
+        )
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             self.runner.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            extra_key=model_key(str(self.model_path.name)),
+            extra_key=extra_key,
+            sketch=self.sketch,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler(info.vocab_size, self.eos_token_ids, seed=config.seed)
@@ -127,6 +136,7 @@ class LLMEngine:
         self._grammars: GrammarStates | None = None
         self._forced: set[str] = set()  # requests whose drafts are grammar-forced tokens
         self.counters = EngineCounters()
+        self.ttft = TTFTWindow()  # per class, for the autoscaler (EngineStats.ttft_p95_*)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # only requests that carry one
 
@@ -344,7 +354,8 @@ class LLMEngine:
         if self._grammars is not None and seq.request_id in self._grammars:
             self._force_drafts(seq, finished=reason is not None)
         if seq.timings.first_token is None:
-            seq.timings.first_token = time.monotonic()
+            seq.timings.first_token = now = time.monotonic()
+            self.ttft.observe(seq.request_class, now - seq.timings.arrival)
         logprobs = result.logprobs
         if logprobs is not None and len(logprobs) > len(tokens):
             logprobs = logprobs[: len(tokens)]

@@ -9,7 +9,11 @@ are rendered for it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from engine.request import RequestClass
@@ -117,6 +121,10 @@ class EngineStats:
     num_cancelled: int = 0  # readers that left before the end
     num_reader_stalls: int = 0  # streams cut because their reader stalled
     spec: SpecStats | None = None  # None: the engine does not speculate
+    # TTFT p95 in the engine (arrival to first token) over the last `TTFTWindow.window_s`;
+    # None: no first token of that class in the window
+    ttft_p95_interactive_s: float | None = None
+    ttft_p95_bulk_s: float | None = None
 
 
 def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
@@ -150,4 +158,43 @@ def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
         num_cancelled=sum(p.num_cancelled for p in parts),
         num_reader_stalls=sum(p.num_reader_stalls for p in parts),
         spec=sum(specs[1:], specs[0]) if specs else None,
+        ttft_p95_interactive_s=_worst(p.ttft_p95_interactive_s for p in parts),
+        ttft_p95_bulk_s=_worst(p.ttft_p95_bulk_s for p in parts),
     )
+
+
+def _worst(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+class TTFTWindow:
+    """Recent times to first token per request class, for a p95 over the last `window_s`
+    (at most `max_samples` per class). Written on the engine thread, read on the event loop:
+    a lock keeps each call whole."""
+
+    def __init__(
+        self,
+        window_s: float = 30.0,
+        max_samples: int = 2048,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._samples = {c: deque[tuple[float, float]](maxlen=max_samples) for c in RequestClass}
+        self._lock = threading.Lock()
+
+    def observe(self, request_class: RequestClass, ttft_s: float) -> None:
+        with self._lock:
+            self._samples[request_class].append((self.clock(), ttft_s))
+
+    def p95(self, request_class: RequestClass) -> float | None:
+        oldest = self.clock() - self.window_s
+        with self._lock:
+            samples = self._samples[request_class]
+            while samples and samples[0][0] < oldest:
+                samples.popleft()
+            values = sorted(v for _, v in samples)
+        if not values:
+            return None
+        return values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]

@@ -12,7 +12,8 @@ Invariants:
 * Allocating a free block that holds a hash evicts it: its hash leaves the map.
 
 The pool knows nothing about sequences; `KVCacheManager` decides what to free and in which
-order (a request's blocks are freed last block first, so its tail is evicted first).
+order (a request's blocks are freed last block first, so its tail is evicted first). A
+`PrefixSketch`, when given, hears every hash that enters or leaves the map (for routing).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from engine.kv.sketch import PrefixSketch
 
 
 @dataclass(slots=True)
@@ -30,9 +33,10 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, sketch: PrefixSketch | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        self.sketch = sketch
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -82,6 +86,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
+        if self.sketch is not None:
+            self.sketch.added(block_hash)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -91,6 +97,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.sketch is not None:
+            self.sketch.cleared()
         return True
 
     # -- references --------------------------------------------------------------------------
@@ -113,6 +121,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.sketch is not None:
+                    self.sketch.removed(block.block_hash)
                 block.block_hash = None
             block.ref_count = 1
             out.append(block_id)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.block_hash import hash_block
 from engine.kv.block_pool import BlockPool
+from engine.kv.sketch import PrefixSketch
 from engine.sequence import Sequence
 
 
@@ -49,8 +50,9 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         extra_key: int = 0,
+        sketch: PrefixSketch | None = None,
     ):
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, sketch)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
