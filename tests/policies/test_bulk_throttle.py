@@ -1,0 +1,55 @@
+"""The cluster bulk throttle: bulk runs only in the capacity interactive traffic leaves."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.stats import AdmissionStats, ClassCounts, EngineStats, KVStats
+from policies.base import create
+from policies.bulk_throttle import UNLIMITED, BulkThrottle, SpareCapacity, bulk_in_engines
+
+
+def stats(interactive: int = 0, bulk: int = 0, waiting_interactive: int = 0, seats: int = 32):
+    return EngineStats(
+        model="m",
+        running=ClassCounts(interactive, bulk),
+        waiting=ClassCounts(waiting_interactive, 0),
+        kv=KVStats(100, 50, 0.5, 0, 0),
+        admission=AdmissionStats(128, 32, None, max_running=seats),
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_idle_replica_lends_every_seat_a_busy_one_a_share():
+    clock = Clock()
+    throttle = SpareCapacity(busy_share=0.125, hold_s=5.0, clock=clock)
+    assert throttle.allowance({"a": stats(), "b": stats()}) == 64
+    # a serves chats: 4 of its seats (1/8 of 32); b, serving none, still lends all 32
+    assert throttle.allowance({"a": stats(interactive=3), "b": stats(bulk=10)}) == 4 + 32
+    # chats gone from the snapshot, but seen 1 s ago: a stays in the busy share
+    clock.now = 1.0
+    assert throttle.allowance({"a": stats(), "b": stats()}) == 4 + 32
+    clock.now = 6.0
+    assert throttle.allowance({"a": stats(), "b": stats()}) == 64
+
+
+def test_bulk_never_takes_seats_interactive_holds_and_always_moves():
+    throttle = SpareCapacity(busy_share=0.5, hold_s=0.0, clock=Clock())
+    assert throttle.allowance({"a": stats(interactive=30)}) == 2  # 32 - 30 < 16
+    assert throttle.allowance({"a": stats(interactive=32, waiting_interactive=5)}) == 1  # floor
+    assert throttle.allowance({}) == 1
+
+
+def test_unlimited_and_the_registry():
+    assert create(BulkThrottle, "unlimited").allowance({"a": stats()}) == UNLIMITED
+    assert isinstance(create(BulkThrottle, "spare_capacity"), SpareCapacity)
+    with pytest.raises(ValueError):
+        SpareCapacity(busy_share=2.0)
+    assert bulk_in_engines({"a": stats(bulk=3), "b": stats(bulk=4)}) == 7
