@@ -4,10 +4,10 @@ Every Ingress serves the files and batches endpoints over the shared `BatchStore
 file bodies in `batch.directory`); this deployment (one replica) runs the batches from that
 same store with `app.batch.runner.BatchRunner`: each line is a `bulk` request through the
 same OpenAI layer and the same replica routing as HTTP traffic (its own `ReplicaClient` and
-cluster view, like an ingress), with as many lines in flight as the cluster view shows free
-seats. A replacement (after a crash or a kill) resumes every unfinished batch from the store,
-skipping the lines whose results were stored. Its progress metrics reach `/metrics` through
-the control plane, like an ingress's.
+cluster view, like an ingress), with as many lines in flight as the cluster bulk throttle
+(`policies.bulk_throttle`) allows from that view. A replacement (after a crash or a kill)
+resumes every unfinished batch from the store, skipping the lines whose results were
+stored. Its progress metrics reach `/metrics` through the control plane, like an ingress's.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from actors.model_endpoint import (
 )
 from actors.runtime import replica_id
 from actors.settings import AppConfig
-from app.batch.runner import BatchRunner, BulkThrottle
+from app.batch.runner import BatchRunner
 from app.batch.store import BatchStore
 from app.endpoint import Endpoints
 from app.openai.prepare import OpenAILayer
 from policies.base import create
+from policies.bulk_throttle import BulkThrottle, bulk_room
 from policies.request_class import RequestClassPolicy
 
 logger = logging.getLogger("firstlight.batch")
@@ -49,8 +50,12 @@ class BatchJobs:
         classifier = create(RequestClassPolicy, config.request_class_policy)
         layer = OpenAILayer(Endpoints([endpoint]), classifier, max_n=config.max_n)
         self.store = BatchStore(config.batch.path())
-        throttle = BulkThrottle(self.cache.stats, config.batch.busy_share, config.batch.busy_hold_s)
-        self.runner = BatchRunner(self.store, layer, throttle)
+        policies = config.policies
+        throttle = create(BulkThrottle, policies.bulk_throttle, **policies.options("bulk_throttle"))
+        cache = self.cache
+        self.runner = BatchRunner(
+            self.store, layer, lambda own: own + bulk_room(throttle, cache.replica_stats(), own)
+        )
         sync = sync_forever(control_plane, self.cache, self.id, self.runner.snapshot, interval)
         self._sync_task = asyncio.create_task(sync, name="batch-sync")
         await wait_for_first_view(self.cache, timeout_s=max(5.0, 10 * interval))

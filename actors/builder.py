@@ -35,11 +35,14 @@ from actors.ingress import Ingress
 from actors.model_replica import ModelReplica
 from actors.settings import AppConfig
 from demo.paths import ModelNotFoundError, resolve_model
+from policies.autoscaling import AutoscalingPolicy
 from policies.base import create, lookup
+from policies.bulk_throttle import BulkThrottle
 from policies.request_class import RequestClassPolicy
 from policies.routing import ReplicaRoutingPolicy
 
 _BACKPRESSURE = {"status_code": 429, "retry_after_s": 1}
+CONTROL_PLANE = "ControlPlane"  # the deployment's name: routers find it by name
 _QUIET = {"enable_access_log": False}  # internal hops; the ingress's access log has each request
 
 
@@ -56,25 +59,64 @@ def load_config(args: dict[str, Any] | None = None) -> AppConfig:
     try:
         lookup(RequestClassPolicy, policies.request_class)
         create(ReplicaRoutingPolicy, policies.routing, **_routing_options(config))
+        create(BulkThrottle, policies.bulk_throttle, **policies.options("bulk_throttle"))
+        create(AutoscalingPolicy, policies.autoscaling, **_autoscaling_options(config))
+        # the options of policies not chosen must be right too (switching must just work)
+        for name, options in policies.routing_options.items():
+            create(ReplicaRoutingPolicy, name, **options)
+        for name, options in policies.bulk_throttle_options.items():
+            create(BulkThrottle, name, **options)
+        for name, options in policies.autoscaling_options.items():
+            create(AutoscalingPolicy, name, **options)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"invalid firstlight application args: policies: {exc}") from None
     return config
 
 
 def _routing_options(config: AppConfig) -> dict[str, Any]:
-    options = dict(config.policies.routing_options.get(config.policies.routing, {}))
-    if config.policies.routing == "prefix_affinity":
+    policies = config.policies
+    options = policies.options("routing")
+    routing = policies.routing
+    if routing == "prefix_affinity" or (
+        routing == "class_pools" and options.get("inner", "prefix_affinity") == "prefix_affinity"
+    ):
         options.setdefault("block_size", config.engine.cache.block_size)
+    if routing == "class_pools":  # it lends bulk the seats the callers' throttle allows
+        options.setdefault("throttle", policies.bulk_throttle)
+        options.setdefault("throttle_options", policies.options("bulk_throttle"))
+    return options
+
+
+def _autoscaling_options(config: AppConfig) -> dict[str, Any]:
+    options = config.policies.options("autoscaling")
+    options.setdefault(
+        "target_ongoing_requests", config.replica.autoscaling.target_ongoing_requests
+    )
     return options
 
 
 def request_router(config: AppConfig) -> RequestRouterConfig:
     """ModelReplica's request router: the configured `policies.routing` policy, run by
-    `actors.request_router.PolicyRequestRouter` in each ingress."""
+    `actors.request_router.PolicyRequestRouter` in each caller, following the replicas'
+    prefix sketches from the control plane."""
     return RequestRouterConfig(
         request_router_class="actors.request_router.PolicyRequestRouter",
-        request_router_kwargs={"policy": config.policies.routing, **_routing_options(config)},
+        request_router_kwargs={
+            "policy": config.policies.routing,
+            "control_plane": CONTROL_PLANE,
+            "model": config.served_model_name,
+            "sketch_sync_s": config.ingress.sync_interval_s,
+            **_routing_options(config),
+        },
     )
+
+
+def autoscaling_config(config: AppConfig) -> dict[str, Any]:
+    """ModelReplica's autoscaling: Serve's bounds and delays, the `policies.autoscaling`
+    policy deciding (actors/autoscaler.py)."""
+    options = _autoscaling_options(config)
+    options.pop("target_ongoing_requests")
+    return config.replica.autoscaling.serve_config(config.policies.autoscaling, options)
 
 
 def application(config: AppConfig) -> Application:
@@ -84,7 +126,7 @@ def application(config: AppConfig) -> Application:
     ).bind(config.control_plane)
     replica = config.replica
     replicas = ModelReplica.options(
-        autoscaling_config=replica.autoscaling.serve_config(),
+        autoscaling_config=autoscaling_config(config),
         max_ongoing_requests=config.replica_max_ongoing_requests,
         max_queued_requests=replica.max_queued_requests,
         backpressure_config=_BACKPRESSURE,

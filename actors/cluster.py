@@ -5,21 +5,31 @@ tested without a cluster. Messages are dataclasses with slots; snapshots are
 `app.metric_snapshot` plain data.
 
 Flow (never per token): every ModelReplica pushes a `ReplicaReport` (its `AsyncEngine.stats()`,
-a typed `EngineStats`) every ~0.5 s; every ingress pushes an `IngressReport` (its HTTP metrics
-snapshot) and gets back a `ClusterSnapshot`: the `ClusterView` for admission/routing plus the
-metrics of everything *except* itself, so it renders one `/metrics` for the whole application
-by merging its own fresh snapshot with that. A source silent for longer than the TTL leaves
-the view.
+a typed `EngineStats`, and the change of its prefix cache as a `SketchUpdate`) every ~0.5 s;
+every ingress pushes an `IngressReport` (its HTTP metrics snapshot) and gets back a
+`ClusterSnapshot`: the `ClusterView` for admission/routing plus the metrics of everything
+*except* itself, so it renders one `/metrics` for the whole application by merging its own
+fresh snapshot with that. Every router asks for the sketch diffs it has not seen and the
+replicas' stats (`ClusterState.sync_router`). A source silent for longer than the TTL leaves the view.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from app.metric_snapshot import Snapshot, engine_snapshot, merge_snapshots
+from app.metric_snapshot import (
+    COLD_START_BUCKETS,
+    Snapshot,
+    engine_snapshot,
+    histogram_snapshot,
+    merge_snapshots,
+)
 from engine.errors import QueueFull, Unavailable
+from engine.kv.sketch import HeldBlocks, SketchUpdate
 from engine.request import Request, RequestClass
 from engine.sched.admission import requests_ahead, retry_after_s
 from engine.stats import EngineStats, sum_engine_stats
@@ -33,6 +43,8 @@ class ReplicaReport:
     model: str
     stats: EngineStats  # its AsyncEngine.stats()
     healthy: bool = True
+    sketch: SketchUpdate | None = None  # its prefix cache's change since its last report
+    cold_start_s: float | None = None  # scale-up decision to its first token (once known)
 
 
 @dataclass(slots=True)
@@ -90,6 +102,81 @@ class ClusterSnapshot:
     metrics: Snapshot
 
 
+@dataclass(slots=True, frozen=True)
+class RouterSync:
+    """A router's sync answer: the live replicas, the updates that bring its copy of their
+    prefix sketches to the control plane's, and their latest engine stats."""
+
+    live: tuple[str, ...]
+    updates: dict[str, SketchUpdate]
+    stats: dict[str, EngineStats] = field(default_factory=dict)
+
+
+class SketchStore:
+    """The latest prefix sketch of every replica, and its last `history` diffs, so a router
+    that is a few versions behind gets one merged diff instead of the whole set."""
+
+    def __init__(self, history: int = 32) -> None:
+        self._held: dict[str, HeldBlocks] = {}
+        self._diffs: dict[str, deque[SketchUpdate]] = {}
+        self.history = history
+
+    def __contains__(self, replica_id: str) -> bool:
+        return replica_id in self._held
+
+    def apply(self, replica_id: str, update: SketchUpdate) -> bool:
+        """Apply a replica's update; False: it does not fit (send a full one next)."""
+        held = self._held.setdefault(replica_id, HeldBlocks())
+        diffs = self._diffs.setdefault(replica_id, deque(maxlen=self.history))
+        epoch = held.epoch
+        if not held.apply(update):
+            return False
+        if update.full or update.epoch != epoch:
+            diffs.clear()
+        elif not update.empty:
+            diffs.append(update)
+        return True
+
+    def remove(self, replica_id: str) -> None:
+        self._held.pop(replica_id, None)
+        self._diffs.pop(replica_id, None)
+
+    def sync(self, have: Mapping[str, tuple[int, int]], live: Iterable[str]) -> RouterSync:
+        """For each live replica with a sketch: nothing when `have` is current, one merged
+        diff when its version is still in the history, else the full set."""
+        live = tuple(live)
+        updates: dict[str, SketchUpdate] = {}
+        for rid in live:
+            held = self._held.get(rid)
+            if held is None:
+                continue
+            epoch, version = have.get(rid, (-1, -1))
+            if (epoch, version) == (held.epoch, held.version):
+                continue
+            diffs = [d for d in self._diffs[rid] if d.base >= version]
+            if epoch == held.epoch and diffs and diffs[0].base == version:
+                updates[rid] = _merged(diffs, held)
+            else:
+                updates[rid] = held.as_full()
+        return RouterSync(live, updates)
+
+
+def _merged(diffs: list[SketchUpdate], held: HeldBlocks) -> SketchUpdate:
+    net: dict[int, bool] = {}
+    for diff in diffs:
+        net.update(dict.fromkeys(diff.removed, False))
+        net.update(dict.fromkeys(diff.added, True))
+    return SketchUpdate(
+        held.epoch,
+        diffs[0].base,
+        diffs[-1].version,
+        tuple(h for h, present in net.items() if present),
+        tuple(h for h, present in net.items() if not present),
+        extra_key=held.extra_key,
+        block_size=held.block_size,
+    )
+
+
 @dataclass(slots=True)
 class _Seen(Generic[R]):
     report: R
@@ -103,12 +190,26 @@ class ClusterState:
     ttl_s: float = 3.0
     replicas: dict[str, _Seen[ReplicaReport]] = field(default_factory=dict)
     ingresses: dict[str, _Seen[IngressReport]] = field(default_factory=dict)
+    sketches: SketchStore = field(default_factory=SketchStore)
+    # replica id → its cold start (kept after it leaves: the histogram is the fleet's history)
+    cold_starts: dict[str, float] = field(default_factory=dict)
+    max_cold_starts: int = 1024
 
-    def report_replica(self, report: ReplicaReport, now: float | None = None) -> None:
+    def report_replica(self, report: ReplicaReport, now: float | None = None) -> bool:
+        """Record `report`; False when its sketch diff does not fit (the replica then sends
+        its whole sketch with the next report)."""
         self.replicas[report.replica_id] = _Seen(report, _now(now))
+        if report.cold_start_s is not None and report.replica_id not in self.cold_starts:
+            self.cold_starts[report.replica_id] = report.cold_start_s
+            while len(self.cold_starts) > self.max_cold_starts:
+                del self.cold_starts[next(iter(self.cold_starts))]
+        if report.sketch is None:
+            return True
+        return self.sketches.apply(report.replica_id, report.sketch)
 
     def remove_replica(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
+        self.sketches.remove(replica_id)
 
     def report_ingress(self, report: IngressReport, now: float | None = None) -> None:
         self.ingresses[report.ingress_id] = _Seen(report, _now(now))
@@ -118,6 +219,7 @@ class ClusterState:
         for table in (self.replicas, self.ingresses):
             for key in [k for k, seen in table.items() if now - seen.at > self.ttl_s]:
                 del table[key]
+                self.sketches.remove(key)
 
     def view(self, now: float | None = None) -> ClusterView:
         now = _now(now)
@@ -139,7 +241,24 @@ class ClusterState:
             for seen in self.replicas.values()
         ]
         parts += [seen.report.metrics for key, seen in self.ingresses.items() if key != ingress_id]
+        if self.cold_starts:
+            parts.append(
+                histogram_snapshot(
+                    "cold_start_seconds",
+                    "Scale-up decision to the first token served by the new replica.",
+                    self.cold_starts.values(),
+                    COLD_START_BUCKETS,
+                )
+            )
         return merge_snapshots(*parts)
+
+    def sync_router(
+        self, have: Mapping[str, tuple[int, int]], model: str, now: float | None = None
+    ) -> RouterSync:
+        """What a router of `model`'s replicas needs: every live one's sketch and stats."""
+        replicas = self.view(now).for_model(model)
+        sync = self.sketches.sync(have, [r.replica_id for r in replicas])
+        return RouterSync(sync.live, sync.updates, {r.replica_id: r.stats for r in replicas})
 
     def sync(self, report: IngressReport, now: float | None = None) -> ClusterSnapshot:
         self.report_ingress(report, now)
@@ -162,6 +281,7 @@ class ClusterCache:
 
     model: str
     stale_after_s: float
+    serverless: bool = False  # no replica is normal: requests wait for one to start
     snapshot: ClusterSnapshot = field(default_factory=lambda: ClusterSnapshot(ClusterView(), {}))
     synced_at: float | None = None  # monotonic
     seen_replica: bool = False  # no "no replica" 503s before the first replica was ever seen
@@ -179,13 +299,14 @@ class ClusterCache:
         return self.snapshot.view.for_model(self.model)
 
     def admit(self, request: Request, now: float | None = None) -> None:
-        """Refuse early (503, no hop) from a fresh view when no replica of the model is live.
+        """Refuse early (503, no hop) from a fresh view when no replica of the model is live
+        (unless the model is serverless: then the request waits while one starts).
 
         Full queues are not refused from the view: its queue lengths are up to a sync period
         old, and a queue that has drained since would turn requests away for nothing (a
         burst's last refusals would outlive it). Requests this ingress has in flight are known
         without delay (`check_capacity`), and each engine decides for itself, one hop away."""
-        if not self.fresh(now):
+        if not self.fresh(now) or self.serverless:
             return
         if not self.replicas() and self.seen_replica:
             raise Unavailable(f"no replica of {self.model!r} is running")
@@ -217,6 +338,13 @@ class ClusterCache:
                 f"({in_flight} in flight, room for {capacity})",
                 retry_after_s=self.retry_after_s(request_class),
             )
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """The live replicas' latest stats by replica id (empty while the view is stale:
+        then nothing is known about them)."""
+        if not self.fresh():
+            return {}
+        return {r.replica_id: r.stats for r in self.replicas()}
 
     def retry_after_s(self, request_class: RequestClass) -> float:
         """When a replica should have room for `request_class` by the engine's own rule: the

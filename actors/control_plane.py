@@ -16,6 +16,7 @@ from actors.cluster import (
     ClusterView,
     IngressReport,
     ReplicaReport,
+    RouterSync,
 )
 from actors.settings import ControlPlaneSettings
 
@@ -25,8 +26,10 @@ class ControlPlane:
     def __init__(self, settings: ControlPlaneSettings) -> None:
         self.state = ClusterState(ttl_s=settings.report_ttl_s)
 
-    async def report_replica(self, report: ReplicaReport) -> None:
-        self.state.report_replica(report)
+    async def report_replica(self, report: ReplicaReport) -> bool:
+        """False: the report's sketch diff did not fit; the replica sends its whole sketch
+        next time."""
+        return self.state.report_replica(report)
 
     async def remove_replica(self, replica_id: str) -> None:
         """A replica shutting down leaves the view at once instead of after the TTL."""
@@ -34,6 +37,11 @@ class ControlPlane:
 
     async def sync(self, report: IngressReport) -> ClusterSnapshot:
         return self.state.sync(report)
+
+    async def router_sync(self, have: dict[str, tuple[int, int]], model: str) -> RouterSync:
+        """What a router needs: the replicas' prefix sketches (diffs from what it `have`s) and
+        their latest stats."""
+        return self.state.sync_router(have, model)
 
     async def cluster_view(self) -> ClusterView:
         return self.state.view()

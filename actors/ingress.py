@@ -32,6 +32,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.model_endpoint import (
+    bulk_gate,
     cluster_cache,
     connect_endpoint,
     disconnect,
@@ -66,8 +67,9 @@ class Ingress:
         interval = config.ingress.sync_interval_s
         self.cache = cluster_cache(config)
         self.metrics = Metrics(max_label_values=config.max_label_values)  # HTTP metrics only
+        self.gate = bulk_gate(config, self.cache)
         self.client, self.endpoint = await connect_endpoint(
-            config, replicas, self.ingress_id, self.cache
+            config, replicas, self.ingress_id, self.cache, gate=self.gate
         )
         self._sync_task = asyncio.create_task(
             sync_forever(control_plane, self.cache, self.ingress_id, self._own_metrics, interval),

@@ -14,6 +14,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
+from actors.bulk_gate import BulkGate
 from actors.cluster import ClusterCache, IngressReport
 from actors.messages import ReplicaInfo
 from actors.replica_client import ReplicaClient
@@ -24,6 +25,8 @@ from app.metric_snapshot import Snapshot
 from demo.paths import ModelNotFoundError, resolve_model
 from engine.models.resolve import ModelResolver
 from engine.tokenizer import load_tokenizer, tokenizer_digest
+from policies.base import create
+from policies.bulk_throttle import BulkThrottle
 
 logger = logging.getLogger("firstlight.ingress")
 
@@ -33,6 +36,20 @@ def cluster_cache(config: AppConfig) -> ClusterCache:
     return ClusterCache(
         model=config.served_model_name,
         stale_after_s=max(3 * interval, config.control_plane.report_ttl_s),
+        serverless=config.replica.autoscaling.serverless,
+    )
+
+
+def bulk_gate(config: AppConfig, cache: ClusterCache) -> BulkGate:
+    """Where an ingress holds its bulk requests until the cluster has spare capacity."""
+    policies = config.policies
+    ingress = config.ingress
+    return BulkGate(
+        create(BulkThrottle, policies.bulk_throttle, **policies.options("bulk_throttle")),
+        cache.replica_stats,
+        max_wait_s=ingress.bulk_max_wait_s,
+        max_waiting=ingress.bulk_max_waiting,
+        retry_after=cache.retry_after_s,
     )
 
 
@@ -42,6 +59,7 @@ async def connect_endpoint(
     owner_id: str,
     cache: ClusterCache,
     resolve: ModelResolver = resolve_model,
+    gate: BulkGate | None = None,
 ) -> tuple[ReplicaClient, ModelEndpoint]:
     """A client of the replicas and the endpoint over it (waits for a replica's info).
 
@@ -57,6 +75,7 @@ async def connect_endpoint(
         stats=cache.stats,
         retry_after=cache.retry_after_s,
         capacity=cache.check_capacity,
+        gate=gate,
     )
     try:
         tokenizer, digest = await asyncio.to_thread(_local_tokenizer, config.engine.model, resolve)

@@ -13,8 +13,12 @@ What it adds to the engine, and nothing else:
   yielded the moment it exists), for `ingress.token_path: stream`;
 * `check_health` fails once the engine loop has died, so Serve replaces the replica;
 * stats: pushed to the control plane every `stats_interval_s` from a background task (never
-  awaited by a request), served by `stats()`, and published to Serve's router through
-  `record_routing_stats`.
+  awaited by a request), with the change of its prefix cache since the last push (the sketch
+  routers route by; the whole set first and after any failed push), served by `stats()`,
+  published to Serve's router through `record_routing_stats` and to the autoscaler through
+  `record_autoscaling_stats`;
+* cold start: a replica started by a scale-up reports the time from the autoscaler's
+  decision (actors/autoscaler.py) to the first token it served.
 """
 
 from __future__ import annotations
@@ -22,16 +26,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from actors.autoscaler import autoscaling_stats, scale_up_decided_before
 from actors.cluster import ReplicaReport
 from actors.draft_channel import RemoteDraftProposer
 from actors.messages import ReplicaError, ReplicaInfo, ReplicaStats
-from actors.runtime import node_id, replica_id, rss_bytes
+from actors.runtime import deployment_name, node_id, replica_id, rss_bytes
 from actors.settings import AppConfig
 from actors.token_channel import ChannelAddress, ChannelPool
 from demo.paths import resolve_model
@@ -52,9 +58,12 @@ class ModelReplica:
         control_plane: DeploymentHandle | None = None,
         draft_replica: DeploymentHandle | None = None,
     ):
+        self.started_at = time.time()
         self.config = config
         self.control_plane = control_plane
         self.replica_id = replica_id()
+        self.cold_start_s: float | None = None
+        self._cold_start_pending = True  # until measured, or known to have none
         self.channels = ChannelPool(node_id())
         # Drafts from the DraftReplica when there is one; else whatever the engine config says
         # (an in-process draft model, prompt lookup, or none).
@@ -76,6 +85,7 @@ class ModelReplica:
         await self.engine.warmup()
         await self.engine.start()
         await self._warm_request()
+        self.engine.first_delta_at = None  # the warm-up's token is not a token served
         self._reporter = asyncio.create_task(self._report_loop(), name="replica-stats")
         freeze_startup_heap()
         logger.info("replica %s ready (%s)", self.replica_id, self.config.engine.model)
@@ -159,6 +169,33 @@ class ModelReplica:
             "num_requests_waiting": stats.waiting.total,
         }
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the autoscaler (actors/autoscaler.py) reads: requests in the engine, KV usage,
+        TTFT p95 per class over the engine's recent window."""
+        stats = self.engine.stats()
+        return autoscaling_stats(
+            stats.running.total + stats.waiting.total,
+            stats.kv.usage,
+            stats.ttft_p95_interactive_s,
+            stats.ttft_p95_bulk_s,
+        )
+
+    async def _measure_cold_start(self) -> None:
+        """Once this replica has served a token: the time from the scale-up decision that
+        started it. A replica started with the deployment has none; the decision's record
+        may land a tick after the replica is up, so it is looked for for a few seconds."""
+        served = self.engine.first_delta_at
+        if served is None:
+            return
+        app, deployment = deployment_name()
+        decided = await asyncio.to_thread(scale_up_decided_before, app, deployment, self.started_at)
+        if decided is not None:
+            self.cold_start_s = served - decided
+            self._cold_start_pending = False
+            logger.info("replica %s: cold start %.2f s", self.replica_id, self.cold_start_s)
+        elif time.time() - served > 10.0:
+            self._cold_start_pending = False
+
     async def _find_draft_replica(self, handle: DeploymentHandle) -> None:
         """Keep the draft proposer supplied with the DraftReplica's address: asked through the
         Serve handle only while the proposer has no working connection (at start, and after
@@ -179,16 +216,24 @@ class ModelReplica:
 
     async def _report_loop(self) -> None:
         interval = self.config.replica.stats_interval_s
+        sketch = self.engine.engine.sketch
+        full = True  # the whole sketch first, and after a push that failed or did not fit
         while self.control_plane is not None:
             try:
+                if self._cold_start_pending:
+                    await self._measure_cold_start()
+                update = sketch.take(full=full) if sketch is not None else None
+                full = True
                 report = ReplicaReport(
                     replica_id=self.replica_id,
                     model=self.config.served_model_name,
                     stats=self.engine.stats(),
                     healthy=self.engine.is_healthy,
+                    sketch=update,
+                    cold_start_s=self.cold_start_s,
                 )
                 async with asyncio.timeout(max(1.0, 4 * interval)):
-                    await self.control_plane.report_replica.remote(report)
+                    full = not await self.control_plane.report_replica.remote(report)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the control plane is optional for serving tokens

@@ -21,7 +21,9 @@ Translation of what can go wrong across the hop:
 * any other remote failure → `RuntimeError` (a 500, logged by the app).
 
 `admit(request)`, called before anything is sent, lets the ingress refuse early from its
-local cluster-view cache (never a remote call).
+local cluster-view cache (never a remote call). A `BulkGate` (actors/bulk_gate.py), when
+given, then holds a bulk request until the cluster has spare capacity for it; a held stream
+gets SSE keepalives like any other wait for a first token.
 
 Any deployment (the Ingress, a batch-jobs deployment, a draft-model caller) builds its client
 with `await ReplicaClient.connect(handle, settings)`, which starts the client's own
@@ -44,6 +46,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle
 
+from actors.bulk_gate import BulkGate
 from actors.messages import ReplicaError
 from actors.runtime import node_id, node_ip, replica_id
 from actors.serve_internals import own_serve_request_id
@@ -71,9 +74,11 @@ class ReplicaClient:
         stats: Callable[[], EngineStats] | None = None,
         retry_after: Callable[[RequestClass], float] | None = None,
         capacity: Callable[[RequestClass, int, int], None] | None = None,
+        gate: BulkGate | None = None,
         transport: dict[str, Any] | None = None,
         final_delta_grace_s: float = 10.0,
     ) -> None:
+        self.gate = gate
         self._stream = handle.options(stream=True, **(transport or {}))
         self._unary = handle.options(**(transport or {})) if channel is not None else None
         self._channel = channel
@@ -96,6 +101,7 @@ class ReplicaClient:
         stats: Callable[[], EngineStats] | None = None,
         retry_after: Callable[[RequestClass], float] | None = None,
         capacity: Callable[[RequestClass, int, int], None] | None = None,
+        gate: BulkGate | None = None,
     ) -> ReplicaClient:
         """A client of `handle` (a ModelReplica deployment) for the calling process, built from
         `settings` (`token_path`, `channel_tcp_host`, `transport`). With the channel token
@@ -117,6 +123,7 @@ class ReplicaClient:
             stats=stats,
             retry_after=retry_after,
             capacity=capacity,
+            gate=gate,
             transport=settings.handle_options(),
         )
         client._owned_channel = channel
@@ -133,16 +140,28 @@ class ReplicaClient:
         if channel is not None:
             await channel.stop()
 
-    def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
-        if self._channel is not None:
-            return self._via_channel(request, self._channel)
-        return self._via_stream(request)
+    async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
+        if self._admit is not None:
+            self._admit(request)
+        gated = self.gate is not None and await self.gate.acquire(request.request_class)
+        try:
+            if self._channel is not None:
+                stream = self._via_channel(request, self._channel)
+            else:
+                stream = self._via_stream(request)
+            try:
+                async for delta in stream:
+                    yield delta
+            finally:
+                await stream.aclose()
+        finally:
+            if gated:
+                assert self.gate is not None
+                self.gate.release()
 
     async def _via_channel(
         self, request: Request, channel: ChannelServer
     ) -> AsyncIterator[TokenDelta]:
-        if self._admit is not None:
-            self._admit(request)
         rid = request.request_id
         inbox = channel.open(rid)
         assert self._unary is not None and channel.address is not None
@@ -184,8 +203,6 @@ class ReplicaClient:
             )
 
     async def _via_stream(self, request: Request) -> AsyncIterator[TokenDelta]:
-        if self._admit is not None:
-            self._admit(request)
         with own_serve_request_id():
             response = self._stream.generate.remote(request)
         rid = request.request_id

@@ -16,6 +16,15 @@ def replica_id() -> str:
         return uuid.uuid4().hex[:8]
 
 
+def deployment_name() -> tuple[str | None, str]:
+    """(application, deployment) of this Serve replica ((None, "") outside Serve)."""
+    try:
+        context = serve.get_replica_context()
+    except Exception:
+        return None, ""
+    return context.app_name, context.deployment
+
+
 def node_id() -> str:
     """The Ray node this process runs on (a random id outside Ray, e.g. in unit tests)."""
     import ray

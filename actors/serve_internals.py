@@ -29,10 +29,16 @@ from ray.serve import context as serve_context
 # * RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 and RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0:
 #   user code and the handle's router run on the process's main event loop (no thread hop
 #   per chunk). Together ~15-20% less CPU per token in proxy and ingress (bench/overhead.py).
+# * RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S and
+#   RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S: how often replicas push their
+#   autoscaling stats and callers their queued requests to the controller (10 s by default,
+#   which the autoscaler would add to every reaction, a scale-up from zero included).
 CONTROLLER_ENV_VARS = (
     "RAY_SERVE_PROXY_USE_GRPC",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
 )
 
 
@@ -106,6 +112,20 @@ def _unknown(replica_id: Any) -> None:
     return None
 
 
+def router_app_name(router: Any) -> str | None:
+    """The application of the deployment a request router routes to (None: unknown).
+
+    Relies on: `RequestRouter.__init__` keeping its `deployment_id` argument (a `DeploymentID`
+    with an `app_name`) as `_deployment_id`; the router API has no public accessor.
+
+    Why: the router follows the replicas' prefix sketches from the ControlPlane deployment of
+    the same application, and may run outside any Serve replica (a driver's handle), where
+    the replica context cannot name the application."""
+    deployment_id = getattr(router, "_deployment_id", None)
+    app_name = getattr(deployment_id, "app_name", None)
+    return app_name if isinstance(app_name, str) else None
+
+
 def bound_deployment(node: Any) -> Any:
     """The `Deployment` behind a bound `Application` (or an argument bound into one); other
     values pass through. Relies on `Application._bound_deployment` (Serve has no public
@@ -117,3 +137,33 @@ def deployment_config(deployment: Any) -> Any:
     """A `Deployment`'s full `DeploymentConfig` (autoscaling, request router, ...). Relies on
     `Deployment._deployment_config`; used by tests that check how the app is wired."""
     return deployment._deployment_config
+
+
+_RECORD_NAMESPACE = "firstlight"
+
+
+def put_cluster_record(key: str, value: str) -> None:
+    """Store `value` under `key` in the Ray cluster's key-value store (the GCS), readable from
+    every process of the cluster. A blocking call of a few ms: call it rarely (a scale-up
+    decision), never per request.
+
+    Relies on: `ray.experimental.internal_kv._internal_kv_put(key, value, overwrite,
+    namespace)`, Ray's private KV client (Serve keeps its own checkpoints there).
+
+    Why: the autoscaler runs inside Serve's controller, which firstlight's actors cannot
+    call; this is how a new replica learns when the decision that started it was made."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(
+        key.encode(), value.encode(), overwrite=True, namespace=_RECORD_NAMESPACE
+    )
+
+
+def cluster_record(key: str) -> str | None:
+    """What `put_cluster_record` stored under `key` (None: nothing, or no Ray here)."""
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return None
+    raw = internal_kv._internal_kv_get(key.encode(), namespace=_RECORD_NAMESPACE)
+    return raw.decode() if raw else None

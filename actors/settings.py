@@ -50,30 +50,75 @@ class DeploymentSection(BaseModel):
 
 
 class AutoscalingSettings(BaseModel):
-    """Serve's autoscaler on ModelReplica. `min_replicas` stays warm (a cold replica would
-    make the first request wait for a model load), so it is at least 1."""
+    """Serve's autoscaler on ModelReplica, driven by `policies.autoscaling` (the policy named
+    in `policies.autoscaling`, over queue depth, KV usage and TTFT per class; see
+    actors/autoscaler.py).
+
+    `mode`: "dedicated" keeps `min_replicas` (at least 1) warm, so no request ever waits for
+    a model load; "serverless" scales to zero when idle (`min_replicas` 0, after
+    `downscale_to_zero_delay_s`), and a request that finds no replica waits for one to start
+    (streams get SSE keepalives meanwhile) instead of failing. `target_ongoing_requests` is
+    the queue depth one replica is meant to carry; `look_back_period_s` is Serve's window for
+    the request counts (and, a fifth of it, how often replicas record them)."""
 
     model_config = _SECTION
 
-    min_replicas: int = Field(1, ge=1)
-    initial_replicas: int | None = Field(None, ge=1)
+    mode: Literal["dedicated", "serverless"] = "dedicated"
+    min_replicas: int | None = Field(None, ge=0)  # None: 1 when dedicated, 0 when serverless
+    initial_replicas: int | None = Field(None, ge=0)
     max_replicas: int = Field(2, ge=1)
     target_ongoing_requests: float = Field(16.0, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+    downscale_to_zero_delay_s: float | None = Field(None, ge=0)
+    look_back_period_s: float = Field(5.0, gt=1.0)
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingSettings:
-        initial = self.initial_replicas or self.min_replicas
-        if not self.min_replicas <= initial <= self.max_replicas:
+        floor = self.floor
+        if self.mode == "dedicated" and floor < 1:
+            raise ValueError(
+                "min_replicas: a dedicated deployment keeps at least 1 replica warm "
+                "(mode: serverless scales to zero)"
+            )
+        if self.mode == "serverless" and floor != 0:
+            raise ValueError("min_replicas: a serverless deployment scales to zero (set 0)")
+        initial = self.initial_replicas if self.initial_replicas is not None else floor
+        if not floor <= initial <= self.max_replicas:
             raise ValueError(
                 "autoscaling needs min_replicas <= initial_replicas <= max_replicas "
-                f"(got {self.min_replicas}, {initial}, {self.max_replicas})"
+                f"(got {floor}, {initial}, {self.max_replicas})"
             )
         return self
 
-    def serve_config(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+    @property
+    def floor(self) -> int:
+        """`min_replicas`, or the mode's default."""
+        if self.min_replicas is not None:
+            return self.min_replicas
+        return 1 if self.mode == "dedicated" else 0
+
+    @property
+    def serverless(self) -> bool:
+        return self.mode == "serverless"
+
+    def serve_config(self, policy: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Serve's `autoscaling_config`, with `policy` (and its `options`) as the policy."""
+        config = self.model_dump(exclude_none=True, exclude={"mode"})
+        config["min_replicas"] = self.floor
+        # Replicas record their load every min(look_back_period_s / 5, metrics_interval_s);
+        # the push to the controller is RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S (1 s,
+        # serve_config.yaml), and Serve wants look_back_period_s above metrics_interval_s.
+        config["metrics_interval_s"] = 1.0
+        config["policy"] = {
+            "policy_function": "actors.autoscaler:ReplicaAutoscaler",
+            "policy_kwargs": {
+                "policy": policy,
+                "target_ongoing_requests": self.target_ongoing_requests,
+                **options,
+            },
+        }
+        return config
 
 
 class ReplicaSettings(DeploymentSection):
@@ -109,6 +154,11 @@ class IngressSettings(DeploymentSection):
     max_ongoing_requests: int = Field(512, ge=1)  # concurrent HTTP requests per ingress
     sync_interval_s: float = Field(0.5, gt=0)  # metrics push + cluster-view refresh period
     info_timeout_s: float = Field(300.0, gt=0)  # how long startup waits for a first replica
+    # Bulk requests wait at the ingress for spare capacity (policies.bulk_throttle) at most
+    # this long (under the SSE keepalive gap, so a refusal is a 429, not a stream error), and
+    # at most this many at once; past either, 429 + Retry-After.
+    bulk_max_wait_s: float = Field(10.0, ge=0)
+    bulk_max_waiting: int = Field(256, ge=0)
 
     def handle_options(self) -> dict[str, Any]:
         if self.transport == "grpc":

@@ -19,6 +19,7 @@ an engine that speculates.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -198,3 +199,24 @@ def engine_snapshot(stats: EngineStats, labels: Mapping[str, str]) -> Snapshot:
             ),
         }
     return {PREFIX + name: family for name, family in families.items()}
+
+
+COLD_START_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def histogram_snapshot(
+    name: str, doc: str, values: Iterable[float], buckets: tuple[float, ...]
+) -> Snapshot:
+    """One unlabelled histogram family of `values` (counts per bucket, +Inf last)."""
+    values = list(values)
+    counts = [sum(1 for v in values if v <= bound) for bound in buckets] + [len(values)]
+    per_bucket = [counts[0]] + [b - a for a, b in itertools.pairwise(counts)]
+    return {
+        PREFIX + name: {
+            "type": "histogram",
+            "help": doc,
+            "labels": [],
+            "buckets": list(buckets),
+            "series": [{"labels": [], "counts": per_bucket, "sum": float(sum(values))}],
+        }
+    }

@@ -43,7 +43,8 @@ class BatchSettings(BaseModel):
     """Batch jobs (`/v1/files`, `/v1/batches`; app/batch/). `directory` holds the SQLite
     store and the files (empty: `$FIRSTLIGHT_HOME/batches`; on a cluster, a path every node
     shares). Uploads past `max_file_bytes` or `max_lines` are refused; `completion_window`
-    may be at most `max_completion_window_s`."""
+    may be at most `max_completion_window_s`. How many lines run at once is the cluster bulk
+    throttle's (`policies.bulk_throttle`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -52,8 +53,6 @@ class BatchSettings(BaseModel):
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)
     max_lines: int = Field(50_000, ge=1)
     max_completion_window_s: int = Field(7 * 24 * 3600, ge=60)
-    busy_share: float = Field(0.125, gt=0, le=1)  # of the seats, while interactive load runs
-    busy_hold_s: float = Field(5.0, ge=0)  # how long after the last interactive request
 
     def path(self) -> Path:
         if self.directory:
@@ -65,16 +64,29 @@ class BatchSettings(BaseModel):
 
 
 class PolicySettings(BaseModel):
-    """Policy names, each looked up in its `policies/` registry when the app is built.
-    `routing` (Serve mode only) picks the ModelReplica router; `routing_options[name]` go to
-    routing policy `name`'s constructor when it is the one chosen (so switching `routing`,
-    e.g. by environment, needs no other change)."""
+    """Policy names, each looked up in its `policies/` registry when the app is built, and
+    each policy's options keyed by its name (`routing_options[name]` go to routing policy
+    `name`'s constructor when it is the one chosen, so switching a policy, e.g. by
+    environment, needs no other change). Serve mode only: `routing` picks the ModelReplica
+    router, `bulk_throttle` how much bulk every caller lets into the engines, `autoscaling`
+    the replica autoscaler. The step order inside a replica is the engine's
+    (`engine.scheduler.policy`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_class: str = "header"
-    routing: str = "prefix_affinity"
+    routing: str = "class_pools"
     routing_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    bulk_throttle: str = "spare_capacity"
+    bulk_throttle_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    autoscaling: str = "slo"
+    autoscaling_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    def options(self, family: str) -> dict[str, Any]:
+        """The options of the policy chosen for `family` ("routing", "bulk_throttle",
+        "autoscaling")."""
+        chosen = getattr(self, family)
+        return dict(getattr(self, f"{family}_options").get(chosen, {}))
 
 
 class Settings(BaseSettings):

@@ -22,10 +22,12 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 
-from app.batch.runner import BatchRunner, BulkThrottle
+from app.batch.runner import BatchRunner
 from app.endpoint import ModelEndpoint
 from app.openai_server import build_app
 from app.settings import Settings, StandaloneSettings
+from policies.base import create
+from policies.bulk_throttle import BulkThrottle, bulk_room
 
 DEFAULT_CONFIG = Path("serve_config.yaml")
 APP_IMPORT_PATH = "actors.builder:build_app"
@@ -98,9 +100,11 @@ def build_standalone(settings: Settings) -> FastAPI:
         await engine.warmup()  # as a ModelReplica does: the first request is not the warm-up
         await engine.start()
         freeze_startup_heap()
-        batch = settings.batch
-        throttle = BulkThrottle(engine.stats, batch.busy_share, batch.busy_hold_s)
-        batches = _batch_runner(app, throttle)
+        policies = settings.policies
+        throttle = create(BulkThrottle, policies.bulk_throttle, **policies.options("bulk_throttle"))
+        batches = _batch_runner(
+            app, lambda own: own + bulk_room(throttle, {"": engine.stats()}, own)
+        )
         try:
             yield
         finally:
@@ -111,7 +115,7 @@ def build_standalone(settings: Settings) -> FastAPI:
     return build_app([endpoint], settings, lifespan=lifespan)
 
 
-def _batch_runner(app: FastAPI, capacity: Callable[[], int]) -> BatchRunner | None:
+def _batch_runner(app: FastAPI, capacity: Callable[[int], int]) -> BatchRunner | None:
     """In bare mode the app's own process runs the batches (Serve mode: the BatchJobs
     deployment); it resumes whatever a previous run left unfinished."""
     state = getattr(app.state, "batch", None)

@@ -6,9 +6,9 @@ runner left: a restarted runner resumes them) and runs each:
 
 * validating → in_progress; lines whose results are stored already are skipped (they ran
   before a restart), the rest run with at most `capacity()` in flight, re-read before each
-  launch (`spare_capacity`: every seat while no interactive request is in the engines, a
-  small share while some are), so the batch fills the fleet when interactive load falls and
-  backs off when it rises;
+  launch (the cluster bulk throttle, `policies.bulk_throttle`: every seat of a replica with
+  no interactive request, a small share of one serving some), so the batch fills the fleet
+  when interactive load falls and backs off when it rises;
 * a line that is not valid JSON, lacks `custom_id`/`method`/`url`/`body`, names another
   endpoint, or is refused by the OpenAI layer (bad parameters, unknown model) becomes an
   entry of the error file; an overloaded engine (429) or a missing replica (503) makes the
@@ -32,7 +32,6 @@ from app.metric_snapshot import Snapshot
 from app.openai.complete import complete
 from app.openai.errors import APIError, to_api_error
 from app.openai.prepare import OpenAILayer
-from engine.stats import EngineStats
 from policies.request_class import CLASS_HEADER
 
 logger = logging.getLogger("firstlight.batch")
@@ -41,46 +40,12 @@ RETRY_S = 0.5  # wait before retrying a line the engines could not take
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
-def spare_capacity(stats: EngineStats, busy_share: float = 0.125, busy: bool = False) -> int:
-    """How many batch lines may be in the engines now: every seat interactive requests do not
-    hold while there are none, and at most `busy_share` of the seats while there are, or
-    while `busy` says there were lately (a big bulk batch makes every engine step, and so
-    every interactive token, slower). At least 1, so a batch always moves."""
-    seats = stats.admission.max_running
-    interactive = stats.running.interactive + stats.waiting.interactive
-    if interactive == 0 and not busy:
-        return max(1, seats)
-    return max(1, min(seats - interactive, int(seats * busy_share)))
-
-
-class BulkThrottle:
-    """`spare_capacity` over a stats source, staying in the busy share for `hold_s` after
-    interactive requests were last seen: chats are short, so the moments a stats snapshot
-    shows none do not mean interactive load has stopped."""
-
-    def __init__(
-        self, stats: Callable[[], EngineStats], busy_share: float, hold_s: float = 5.0
-    ) -> None:
-        self.stats = stats
-        self.busy_share = busy_share
-        self.hold_s = hold_s
-        self._last_seen = float("-inf")
-
-    def __call__(self) -> int:
-        stats = self.stats()
-        now = time.monotonic()
-        if stats.running.interactive + stats.waiting.interactive:
-            self._last_seen = now
-        busy = now - self._last_seen < self.hold_s
-        return spare_capacity(stats, self.busy_share, busy)
-
-
 class BatchRunner:
     def __init__(
         self,
         store: BatchStore,
         layer: OpenAILayer,
-        capacity: Callable[[], int],
+        capacity: Callable[[int], int],
         *,
         poll_s: float = 0.5,
     ) -> None:
@@ -185,7 +150,7 @@ class BatchRunner:
                     custom_id, line = _parse_line(raw)
                     if custom_id in done:
                         continue
-                    while self.in_flight >= self.capacity():
+                    while self.in_flight >= self.capacity(self.in_flight):
                         wake.clear()
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(wake.wait(), self.poll_s)

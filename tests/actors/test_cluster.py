@@ -15,8 +15,10 @@ from actors.cluster import (
 )
 from app.metrics import Metrics
 from engine.errors import QueueFull, Unavailable
+from engine.kv.sketch import PrefixSketch
 from engine.request import Request, RequestClass
 from engine.stats import AdmissionStats, ClassCounts, EngineStats, KVStats
+from policies.prefix_index import PrefixIndex
 
 
 def make_stats(
@@ -193,3 +195,75 @@ def test_cache_answers_unavailable_once_replicas_were_seen_and_are_gone():
         cache.admit(REQUEST, now=3.0)
     empty = cache.stats()
     assert (empty.running.total, empty.waiting.total, empty.kv.num_free_blocks) == (0, 0, 0)
+
+
+def test_a_serverless_model_without_replicas_makes_requests_wait_not_fail():
+    cache = ClusterCache(model="demo", stale_after_s=5.0, serverless=True)
+    cache.update(view_of(make_report("a")), now=1.0)
+    cache.update(view_of(), now=2.0)  # scaled to zero
+    cache.admit(REQUEST, now=2.0)  # no 503: Serve starts a replica for it
+
+
+def sketch_report(rid: str, update) -> ReplicaReport:
+    return ReplicaReport(replica_id=rid, model="demo", stats=make_stats(), sketch=update)
+
+
+def test_the_control_plane_follows_each_replicas_sketch_and_brings_routers_up_to_date():
+    state = ClusterState(ttl_s=3.0)
+    a, b = PrefixSketch(), PrefixSketch()
+    a.added(1)
+    assert not state.report_replica(sketch_report("a", a.take()), now=1.0)  # a diff first
+    assert state.report_replica(sketch_report("a", a.take(full=True)), now=1.0)
+    b.added(7)
+    assert state.report_replica(sketch_report("b", b.take(full=True)), now=1.0)
+    router = PrefixIndex()
+    first = state.sync_router(router.have(), "demo", now=1.5)
+    assert sorted(first.live) == ["a", "b"] and all(u.full for u in first.updates.values())
+    assert sorted(first.stats) == ["a", "b"]  # with each replica's latest stats
+    router.apply(first.updates, first.live)
+    assert state.sync_router(router.have(), "demo", now=1.5).updates == {}  # up to date
+    for h in (2, 3):  # two reports later, the router gets one merged diff
+        a.added(h)
+        assert state.report_replica(sketch_report("a", a.take()), now=2.0)
+    a.removed(1)
+    state.report_replica(sketch_report("a", a.take()), now=2.0)
+    sync = state.sync_router(router.have(), "demo", now=2.0)
+    update = sync.updates["a"]
+    assert not update.full and sorted(update.added) == [2, 3] and update.removed == (1,)
+    router.apply(sync.updates, sync.live)
+    assert router.depths([2, 3], ["a", "b"]) == {"a": 2, "b": 0}
+    # a replica silent past the TTL leaves the view, and its sketch with it
+    state.report_replica(sketch_report("a", a.take()), now=3.5)
+    gone = state.sync_router(router.have(), "demo", now=5.0)
+    assert gone.live == ("a",) and "b" not in state.sketches
+    router.apply(gone.updates, gone.live)
+    assert "b" not in router
+
+
+def test_a_router_too_far_behind_gets_the_whole_set():
+    state = ClusterState()
+    state.sketches.history = 2
+    a = PrefixSketch()
+    state.report_replica(sketch_report("a", a.take(full=True)), now=1.0)
+    router = PrefixIndex()
+    router.apply(state.sync_router({}, "demo", now=1.0).updates, ["a"])
+    for h in range(5):
+        a.added(h)
+        state.report_replica(sketch_report("a", a.take()), now=1.0)
+    update = state.sync_router(router.have(), "demo", now=1.0).updates["a"]
+    assert update.full and sorted(update.added) == [0, 1, 2, 3, 4]
+
+
+def test_cold_starts_reach_metrics_once_per_replica_and_outlive_it():
+    state = ClusterState(ttl_s=3.0)
+    report = ReplicaReport("a", "demo", make_stats(), cold_start_s=7.5)
+    state.report_replica(report, now=1.0)
+    state.report_replica(report, now=2.0)  # every report carries it: counted once
+    state.report_replica(ReplicaReport("b", "demo", make_stats(), cold_start_s=1.5), now=2.0)
+    family = state.metrics_except(None)["firstlight_cold_start_seconds"]
+    (only,) = family["series"]
+    assert sum(only["counts"]) == 2 and only["sum"] == 9.0
+    state.expire(now=10.0)  # both gone: the history stays
+    assert (
+        sum(state.metrics_except(None)["firstlight_cold_start_seconds"]["series"][0]["counts"]) == 2
+    )

@@ -95,3 +95,36 @@ async def test_a_shared_prompt_sticks_to_one_replica_and_the_rest_spreads(base_u
         queries2 = by_replica(await scrape(client), "firstlight_prefix_cache_queries_total")
         grew = [r for r, v in queries2.items() if v > queries1.get(r, 0.0)]
         assert len(grew) == 2, (queries0, queries1, queries2)
+
+
+async def test_a_router_that_never_sent_a_prefix_finds_the_replica_holding_it(base_url):
+    """Routing follows what replicas report holding: a second router (this test's own
+    handle), which never sent the prefix anywhere, sends it where the ingress's router put
+    it, because that replica's prefix sketch lists its blocks."""
+    from ray import serve
+
+    from engine.request import Request, SamplingParams
+
+    prefix = [(7 * i + 3) % 1000 + 10 for i in range(160)]  # 10 full blocks
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        await settle(client)
+        body = {"model": "demo", "prompt": prefix + [5, 6, 7], "max_tokens": 1}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        await asyncio.sleep(1.0)  # the holder's next stats push carries the blocks
+        before = by_replica(await scrape(client), "firstlight_prefix_cache_hits_total")
+
+        handle = serve.get_deployment_handle("ModelReplica", app_name="firstlight")
+        stream = handle.options(stream=True)
+
+        async def generate(rid: str, ids: list[int]) -> None:
+            request = Request(rid, ids, SamplingParams(max_tokens=1))
+            async for _ in stream.generate.remote(request):
+                pass
+
+        await generate("warm-router", [3, 1, 4, 1, 5, 9, 2, 6])  # starts its sketch sync
+        await asyncio.sleep(1.0)
+        await generate("same-prefix", prefix + [8, 9])
+        await asyncio.sleep(0.8)
+        after = by_replica(await scrape(client), "firstlight_prefix_cache_hits_total")
+        grew = {r: v - before.get(r, 0.0) for r, v in after.items() if v > before.get(r, 0.0)}
+        assert len(grew) == 1 and next(iter(grew.values())) >= 160, (before, after)

@@ -29,6 +29,7 @@ from actors.serve_internals import (
     deployment_config,
     own_serve_request_id,
     replica_queue_lengths,
+    router_app_name,
     serve_send_queue,
 )
 
@@ -239,4 +240,41 @@ def test_every_helper_is_covered_here():
         "replica_queue_lengths",
         "bound_deployment",
         "deployment_config",
+        "put_cluster_record",
+        "cluster_record",
+        "router_app_name",
     }
+
+
+# -- put_cluster_record / cluster_record --------------------------------------------------------
+
+
+def test_ray_internal_kv_put_and_get_take_a_namespace():
+    from ray.experimental import internal_kv
+
+    for name in ("_internal_kv_put", "_internal_kv_get", "_internal_kv_initialized"):
+        need(callable(getattr(internal_kv, name, None)), f"ray.experimental.internal_kv.{name}",
+             "is gone")  # fmt: skip
+    for name in ("_internal_kv_put", "_internal_kv_get"):
+        params = inspect.signature(getattr(internal_kv, name)).parameters
+        need("namespace" in params, f"ray.experimental.internal_kv.{name}",
+             f"takes no namespace (parameters: {list(params)})")  # fmt: skip
+    need("overwrite" in inspect.signature(internal_kv._internal_kv_put).parameters,
+         "ray.experimental.internal_kv._internal_kv_put", "takes no overwrite flag")  # fmt: skip
+
+
+# -- router_app_name ----------------------------------------------------------------------------
+
+
+def test_a_request_router_keeps_its_deployment_id():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+    from ray.serve.request_router import RequestRouter
+
+    class Probe(RequestRouter):
+        async def choose_replicas(self, candidate_replicas, pending_request=None):
+            return []
+
+    router = Probe(
+        DeploymentID(name="ModelReplica", app_name="app1"), DeploymentHandleSource.UNKNOWN
+    )
+    need(router_app_name(router) == "app1", "RequestRouter._deployment_id", "gone or renamed")

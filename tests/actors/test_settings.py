@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.builder import ConfigError, application, build_app, load_config, request_router
+from actors.builder import (
+    ConfigError,
+    application,
+    autoscaling_config,
+    build_app,
+    load_config,
+    request_router,
+)
 from actors.serve_internals import bound_deployment, deployment_config
 from actors.settings import AppConfig
 from app.settings import Settings
@@ -123,12 +130,66 @@ def test_bad_config_fails_with_a_message_naming_the_field(args, words):
         assert word in str(info.value)
 
 
+SKETCHES = {"control_plane": "ControlPlane", "model": "demo", "sketch_sync_s": 0.5}
+
+
 def test_routing_options_apply_to_their_own_policy_only():
-    args = {"policies": {"routing_options": {"prefix_affinity": {"max_imbalance": 3}}}}
+    args: dict = {
+        "policies": {
+            "routing": "prefix_affinity",
+            "routing_options": {"prefix_affinity": {"max_imbalance": 3}},
+        }
+    }
     kwargs = request_router(load_config(args)).request_router_kwargs
-    assert kwargs == {"policy": "prefix_affinity", "max_imbalance": 3, "block_size": 16}
+    assert kwargs == {
+        "policy": "prefix_affinity",
+        **SKETCHES,
+        "max_imbalance": 3,
+        "block_size": 16,
+    }
     args["policies"]["routing"] = "least_loaded"  # e.g. FIRSTLIGHT_POLICIES__ROUTING
-    assert request_router(load_config(args)).request_router_kwargs == {"policy": "least_loaded"}
+    kwargs = request_router(load_config(args)).request_router_kwargs
+    assert kwargs == {"policy": "least_loaded", **SKETCHES}
+
+
+def test_every_policy_is_chosen_by_name_with_its_options():
+    config = load_config(
+        {
+            "policies": {
+                "autoscaling": "queue_depth",
+                "autoscaling_options": {"slo": {"ttft_slo_s": 0.2}},
+                "bulk_throttle": "unlimited",
+            },
+            "replica": {"autoscaling": {"target_ongoing_requests": 4}},
+        }
+    )
+    policy = autoscaling_config(config)["policy"]
+    assert policy == {
+        "policy_function": "actors.autoscaler:ReplicaAutoscaler",
+        "policy_kwargs": {"policy": "queue_depth", "target_ongoing_requests": 4.0},
+    }
+    for bad, words in [
+        ({"autoscaling": "psychic"}, ["psychic", "queue_depth", "slo"]),
+        ({"bulk_throttle_options": {"spare_capacity": {"busy_share": 3}}}, ["busy_share"]),
+        ({"routing_options": {"class_pools": {"other_pool": "x"}}}, ["other_pool"]),
+        ({"autoscaling_options": {"slo": {"kv_hi": 0.5}}}, ["kv_hi"]),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config({"policies": bad})
+        for word in words:
+            assert word in str(info.value)
+
+
+def test_serverless_scales_to_zero_and_dedicated_keeps_a_replica_warm():
+    serverless = load_config({"replica": {"autoscaling": {"mode": "serverless"}}})
+    assert autoscaling_config(serverless)["min_replicas"] == 0
+    assert autoscaling_config(load_config({}))["min_replicas"] == 1
+    for bad in (
+        {"mode": "dedicated", "min_replicas": 0},
+        {"mode": "serverless", "min_replicas": 1},
+    ):
+        with pytest.raises(ConfigError, match="min_replicas"):
+            load_config({"replica": {"autoscaling": bad}})
 
 
 def test_a_missing_model_fails_at_build_time(tmp_path):
@@ -147,7 +208,14 @@ def test_the_application_wires_three_deployments():
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 1)
     router = deployment_config(replicas).request_router_config
     assert router.request_router_class == "actors.request_router.PolicyRequestRouter"
-    assert router.request_router_kwargs == {"policy": "prefix_affinity", "block_size": 16}
+    assert router.request_router_kwargs == {
+        "policy": "class_pools",
+        **SKETCHES,
+        "block_size": 16,
+        "throttle": "spare_capacity",  # lends bulk what the callers' throttle allows
+        "throttle_options": {},
+    }
+    assert autoscaling.policy.policy_function == "actors.autoscaler:ReplicaAutoscaler"
 
 
 @pytest.mark.parametrize(

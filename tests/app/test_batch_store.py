@@ -34,7 +34,7 @@ async def test_an_expired_batch_lists_its_unrun_lines_as_errors(tmp_path: Path) 
     batch = store.add_batch("", file_id, "/v1/completions", "1m", -1, 3, None)  # already past
     store.record_result(batch.id, 0, "e0", True, {"custom_id": "e0"})
     never_called: Any = None  # the runner never reaches the OpenAI layer for an expired batch
-    await BatchRunner(store, never_called, lambda: 4).run_batch(batch.id)
+    await BatchRunner(store, never_called, lambda own: 4).run_batch(batch.id)
     done = store.get_batch(batch.id, None)
     assert done is not None and done.status == "expired" and "expired_at" in done.times
     assert (done.completed, done.failed) == (1, 2)
@@ -47,27 +47,25 @@ async def test_an_expired_batch_lists_its_unrun_lines_as_errors(tmp_path: Path) 
 
 
 def test_batches_fill_idle_engines_and_back_off_under_interactive_load() -> None:
-    from app.batch.runner import BulkThrottle, spare_capacity
+    """The runner's capacity (as wired in bare mode and BatchJobs): its own lines count as
+    the bulk already in the engines, other bulk does not leave it that room."""
     from engine.stats import AdmissionStats, ClassCounts, EngineStats, KVStats
+    from policies.bulk_throttle import SpareCapacity, bulk_room
 
-    def stats(running: ClassCounts, waiting: ClassCounts = ClassCounts()) -> EngineStats:
+    def stats(running: ClassCounts, waiting: ClassCounts | None = None) -> EngineStats:
         return EngineStats(
             model="m",
             running=running,
-            waiting=waiting,
+            waiting=waiting or ClassCounts(),
             kv=KVStats(10, 10, 0.0, 0, 0),
             admission=AdmissionStats(16, 4, None, max_running=32),
         )
 
-    assert spare_capacity(stats(ClassCounts(bulk=20))) == 32  # its own lines count as bulk
-    assert spare_capacity(stats(ClassCounts(interactive=3, bulk=20)), 0.25) == 8  # a quarter
-    assert spare_capacity(stats(ClassCounts(interactive=30)), 0.25) == 2
-    assert spare_capacity(stats(ClassCounts(interactive=32), ClassCounts(interactive=5))) == 1
-    assert spare_capacity(stats(ClassCounts(bulk=3)), 0.125, busy=True) == 4
-    # The throttle stays busy for a while after the last interactive request it saw.
-    now = [stats(ClassCounts(interactive=1))]
-    throttle = BulkThrottle(lambda: now[0], busy_share=0.125, hold_s=60)
-    assert throttle() == 4
-    now[0] = stats(ClassCounts())
-    assert throttle() == 4  # no chat in this snapshot: still held
-    assert BulkThrottle(lambda: now[0], busy_share=0.125, hold_s=0)() == 32
+    def capacity(throttle: SpareCapacity, engine: EngineStats, own: int) -> int:
+        return own + bulk_room(throttle, {"": engine}, own)
+
+    idle = SpareCapacity(busy_share=0.25, hold_s=0)
+    assert capacity(idle, stats(ClassCounts(bulk=20)), own=20) == 32  # its own lines
+    assert capacity(idle, stats(ClassCounts(bulk=20)), own=5) == 17  # 15 bulk are others'
+    assert capacity(idle, stats(ClassCounts(interactive=3, bulk=8)), own=8) == 8  # a quarter
+    assert capacity(idle, stats(ClassCounts(interactive=32), ClassCounts(interactive=5)), 0) == 1
