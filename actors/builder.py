@@ -35,6 +35,7 @@ from actors.ingress import Ingress
 from actors.model_replica import ModelReplica
 from actors.settings import AppConfig
 from demo.paths import ModelNotFoundError, resolve_model
+from engine.sched.order import build_step_order
 from policies.base import create, lookup
 from policies.request_class import RequestClassPolicy
 from policies.routing import ReplicaRoutingPolicy
@@ -58,6 +59,12 @@ def load_config(args: dict[str, Any] | None = None) -> AppConfig:
         create(ReplicaRoutingPolicy, policies.routing, **_routing_options(config))
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"invalid firstlight application args: policies: {exc}") from None
+    try:
+        build_step_order(config.engine.scheduler)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"invalid firstlight application args: engine.scheduler.policy: {exc}"
+        ) from None
     return config
 
 
