@@ -35,6 +35,7 @@ from actors.ingress import Ingress
 from actors.model_replica import ModelReplica
 from actors.settings import AppConfig
 from demo.paths import ModelNotFoundError, resolve_model
+from engine.sched.order import build_step_order
 from policies.autoscaling import AutoscalingPolicy
 from policies.base import create, lookup
 from policies.bulk_throttle import BulkThrottle
@@ -70,6 +71,12 @@ def load_config(args: dict[str, Any] | None = None) -> AppConfig:
             create(AutoscalingPolicy, name, **options)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"invalid firstlight application args: policies: {exc}") from None
+    try:
+        build_step_order(config.engine.scheduler)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"invalid firstlight application args: engine.scheduler.policy: {exc}"
+        ) from None
     return config
 
 

@@ -10,7 +10,8 @@ every ingress pushes an `IngressReport` (its HTTP metrics snapshot) and gets bac
 `ClusterSnapshot`: the `ClusterView` for admission/routing plus the metrics of everything
 *except* itself, so it renders one `/metrics` for the whole application by merging its own
 fresh snapshot with that. Every router asks for the sketch diffs it has not seen and the
-replicas' stats (`ClusterState.sync_router`). A source silent for longer than the TTL leaves the view.
+replicas' stats (`ClusterState.sync_router`). A source silent for longer than the TTL leaves
+the view.
 """
 
 from __future__ import annotations

@@ -26,13 +26,17 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Step scheduling limits.
+    """Step scheduling limits and order.
 
     `max_num_batched_tokens` is the token budget of one step (decode tokens + prefill chunks).
     `max_waiting` bounds the waiting queue: past it `AsyncEngine`'s admission
     (engine/sched/admission.py) answers `QueueFull` with a Retry-After from the drain rate.
-    `bulk_min_share` is the fraction of each step's token budget that bulk requests may claim
-    even while interactive ones wait, so bulk never starves.
+    `policy` names the step order (policies/step_order.py): "priority" (interactive first,
+    bulk aged by `aging_s`; None: strict), "fcfs" (arrival order, classes alike) or
+    "deadline" (earliest of arrival + `interactive_ttft_s` / `bulk_ttft_s` and the request's
+    own deadline first). Under a class-aware order (priority, deadline), `bulk_min_share` is
+    the fraction of each step's token budget and seats that bulk requests may claim even
+    while interactive ones wait, so bulk never starves; fcfs reserves nothing.
     """
 
     max_num_batched_tokens: int = field(default=2048, metadata={"ge": 16})
@@ -42,6 +46,10 @@ class SchedulerConfig:
     # Waiting places only interactive requests may take (None: a quarter of max_waiting):
     # a flood of bulk never gets an interactive request refused (engine/sched/admission.py).
     interactive_reserve: int | None = field(default=None, metadata={"ge": 0})
+    policy: str = "priority"
+    aging_s: float | None = field(default=30.0, metadata={"ge": 0.0})
+    interactive_ttft_s: float = field(default=1.0, metadata={"ge": 0.0})
+    bulk_ttft_s: float = field(default=30.0, metadata={"ge": 0.0})
 
 
 SpecMethod = Literal["off", "prompt_lookup", "draft_model"]

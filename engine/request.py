@@ -33,7 +33,8 @@ def _is_int(value: object) -> bool:
 
 
 class RequestClass(StrEnum):
-    """Interactive requests are scheduled before bulk ones; bulk never starves."""
+    """Under the default step order interactive requests are scheduled before bulk ones
+    (policies/step_order.py); bulk never starves."""
 
     INTERACTIVE = "interactive"
     BULK = "bulk"

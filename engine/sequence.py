@@ -35,6 +35,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # Set once by the scheduler's `add` (engine/sched/order.py): lower is served first.
+    order_key: tuple[float, float, int] = (0.0, 0.0, 0)
     finish_reason: FinishReason | None = None
     # Drafts for the next step and, optionally, the proposer's distributions `[k, vocab]`
     # they were drawn from (None: point masses). Replaced by the engine after every step.

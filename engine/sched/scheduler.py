@@ -1,28 +1,35 @@
-"""The step scheduler: continuous batching, chunked prefill, two request classes, preemption.
-
-Policy: interactive before bulk, and within a class running before waiting (FIFO by arrival),
-in one token budget per step; bulk keeps a reserved share of budget and seats, so never starves.
+"""The step scheduler: continuous batching, chunked prefill, a pluggable order, preemption.
 
 There is no prefill phase. Each scheduled sequence catches `num_computed_tokens` up towards
 `num_tokens` by a chunk: 1 token for a decode, up to the remaining budget for a prompt, which
-continues next step when cut. A step is built in four passes over the token budget:
+continues next step when cut.
 
-    1. running interactive      may preempt running bulk, then later-arrived interactive
-                                (or itself)
-    2. waiting interactive      may preempt running bulk to make room; FIFO, stops at the
-                                first that does not fit
-    3. running bulk             may preempt later-arrived bulk (or itself)
-    4. waiting bulk             FIFO, stops at the first that does not fit
+Order: a `StepOrderPolicy` (engine/sched/order.py, named by `SchedulerConfig.policy`) keys
+each sequence when it is added, once for its life; lower is served first. A step is one pass
+over the running and waiting sequences merged in key order, in one token budget:
 
-Passes 1-2 use at most `budget - reserve`, where `reserve` is `bulk_min_share` of the budget
-capped at the bulk work that exists; passes 3-4 use the rest. While bulk waits, interactive
-admission also leaves `ceil(bulk_min_share * max_num_seqs)` seats to bulk.
+    running    gets its next chunk; short of blocks, it preempts the running sequence with
+               the worst key, again and again, until its chunk fits or the worst is itself
+               (then it is preempted and gets nothing this step)
+    waiting    is admitted with its first chunk while seats, budget and blocks last; it may
+               preempt running sequences with worse keys, worst first, but only when all
+               of their blocks would make room. One that is not admitted closes its line:
+               nothing ranked after it in that line is admitted this step
+
+A class-aware order (`priority`, `deadline`) gives each request class a line of its own and
+keeps bulk's reserve: `bulk_min_share` of the budget, capped at the bulk work that exists, is
+held back from interactive sequences until bulk has used it, and while bulk waits interactive
+admission leaves `ceil(bulk_min_share * max_num_seqs)` seats (less the running bulk) to bulk.
+So bulk never starves. A class-blind order (`fcfs`) has one line and no reserve. Under strict
+priority (`aging_s=None`) the pass is the old fixed order: running interactive, waiting
+interactive, running bulk, waiting bulk, each by arrival.
 
 Preemption is by recompute: the victim frees its blocks (which stay cached, so re-admission
-hits them) and returns to the front of its class's waiting queue; no waiting sequence of a
-class that lost one this step is admitted in the same step (that would only thrash). The
-running lists stay sorted by arrival, so a victim is always at a list's tail and never one
-already scheduled in this step.
+hits them) and returns to the waiting queue at its key's place; nothing ranked after it in
+its line is admitted in the same step (that would only thrash). The pass visits keys in
+increasing order, so a victim (the worst key) is never one already scheduled in this step.
+Running and waiting sequences are kept per request class, each list sorted by key (inserted
+in place, never re-sorted), so per-class counts are at hand for stats and admission.
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +44,7 @@ from engine.config import SchedulerConfig
 from engine.errors import InvalidRequest
 from engine.kv.cache_manager import KVCacheManager, KVCacheStats
 from engine.request import FinishReason, RequestClass
+from engine.sched.order import OrderKey, StepOrderPolicy, build_step_order
 from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 
@@ -62,19 +69,33 @@ class SchedulerStats:
 
 @dataclass(slots=True)
 class _Step:
-    """What one `schedule()` call is building."""
+    """What one `schedule()` call is building, and where its pass stands."""
 
     budget: int
+    bulk_tokens: int  # budget still held back from interactive work for bulk
+    bulk_seats: int  # seats interactive admission still leaves to bulk
     out: SchedulerOutput = field(default_factory=SchedulerOutput)
-    preempted_classes: set[RequestClass] = field(default_factory=set)
+    # Per class: the index in its running list of the next sequence the pass visits.
+    next_running: dict[RequestClass, int] = field(
+        default_factory=lambda: dict.fromkeys(_CLASSES, 0)
+    )
+    # Per class: the best key its admission line lost to preemption in this step; the
+    # classes whose line is done.
+    floor: dict[RequestClass, OrderKey] = field(default_factory=dict)
+    closed: set[RequestClass] = field(default_factory=set)
 
     def add(self, seq: Sequence, n: int, spec: tuple[int, ...] = ()) -> None:
         self.out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n, spec))
         self.budget -= n + len(spec)
+        if self.bulk_tokens and seq.request.request_class is RequestClass.BULK:
+            self.bulk_tokens = max(0, self.bulk_tokens - n - len(spec))
 
 
-def _arrival(seq: Sequence) -> float:
-    return seq.request.arrival_time
+def _key(seq: Sequence) -> OrderKey:
+    return seq.order_key
+
+
+_LAST: OrderKey = (math.inf, math.inf, 2**63)  # after every key
 
 
 class Scheduler:
@@ -82,7 +103,7 @@ class Scheduler:
 
     `schedule()` → run the model on the chunks → append the new tokens (accepted drafts
     first) → `update(out, num_accepted)` → `finish()` the ones that stopped. `abort()` may
-    come between any two calls.
+    come between any two calls. `order` defaults to the policy `config.policy` names.
     """
 
     def __init__(
@@ -91,6 +112,7 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        order: StepOrderPolicy | None = None,
     ):
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
@@ -100,15 +122,18 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.clock = clock
-        self.waiting: dict[RequestClass, deque[Sequence]] = {c: deque() for c in _CLASSES}
+        self.order = order if order is not None else build_step_order(config)
+        # Both sorted by key (`Sequence.order_key`).
+        self.waiting: dict[RequestClass, list[Sequence]] = {c: [] for c in _CLASSES}
         self.running: dict[RequestClass, list[Sequence]] = {c: [] for c in _CLASSES}
         self.num_preemptions = 0
         self._seqs: dict[str, Sequence] = {}
+        self._num_added = 0
 
     # -- intake and lookup ------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` at the back of its class. Whether it may wait at all is admission's
+        """Key `seq` and queue it at its key's place. Whether it may wait at all is admission's
         decision (`engine.sched.admission`, made by the caller before this)."""
         n = seq.num_tokens
         if n == 0:
@@ -118,8 +143,10 @@ class Scheduler:
             raise InvalidRequest("prompt", f"the prompt has {n} tokens; at most {limit} fit")
         if seq.request_id in self._seqs:
             raise InvalidRequest("request_id", f"request id {seq.request_id!r} is already in use")
+        seq.order_key = self.order.key(seq, self._num_added)
+        self._num_added += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting[seq.request_class].append(seq)
+        bisect.insort(self.waiting[seq.request_class], seq, key=_key)
         self._seqs[seq.request_id] = seq
 
     def get(self, request_id: str) -> Sequence | None:
@@ -147,15 +174,19 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        step = _Step(budget=cfg.max_num_batched_tokens)
-        reserve = self._bulk_reserve()
-        interactive_cap = cfg.max_num_batched_tokens - reserve
-        seats = cfg.max_num_seqs - self._bulk_seat_reserve()
-        used = self._schedule_running(RequestClass.INTERACTIVE, interactive_cap, step)
-        self._admit(RequestClass.INTERACTIVE, interactive_cap - used, seats, step)
-        self._schedule_running(RequestClass.BULK, step.budget, step)
-        self._admit(RequestClass.BULK, step.budget, cfg.max_num_seqs, step)
+        step = _Step(
+            budget=self.config.max_num_batched_tokens,
+            bulk_tokens=self._bulk_reserve(),
+            bulk_seats=self._bulk_seat_reserve(),
+        )
+        while step.budget > 0:
+            seq, until = self._next(step)
+            if seq is None:
+                break
+            if seq.status is SequenceStatus.RUNNING:
+                self._run(seq.request_class, until, step)
+            else:
+                self._admit(seq, step)
         return step.out
 
     def update(self, out: SchedulerOutput, num_accepted: Mapping[str, int] | None = None) -> None:
@@ -203,39 +234,61 @@ class Scheduler:
             self.finish(seq, FinishReason.ABORT)
         return seq
 
-    # -- passes -------------------------------------------------------------------------------
+    # -- the pass ---------------------------------------------------------------------------
 
-    def _schedule_running(self, cls: RequestClass, cap: int, step: _Step) -> int:
-        """Give each running sequence of `cls` its next chunk; returns the tokens used."""
-        running = self.running[cls]
-        used = 0
-        i = 0
-        while i < len(running) and min(cap - used, step.budget) > 0:
+    def _next(self, step: _Step) -> tuple[Sequence | None, OrderKey]:
+        """The sequence with the least key among those the pass has not visited (running, or
+        at the head of an admission line still open), and the least key of the other lists'
+        next ones: the pass serves `seq`'s running list up to there without looking again.
+
+        (A victim that joins a waiting list meanwhile may rank before that key; it is then
+        refused when visited, as it would have been at its place.)
+        """
+        heads = []
+        for cls in _CLASSES:
+            running, i = self.running[cls], step.next_running[cls]
+            if i < len(running):
+                heads.append(running[i])
+            if self.waiting[cls] and cls not in step.closed:
+                heads.append(self.waiting[cls][0])
+        if not heads:
+            return None, _LAST
+        heads.sort(key=_key)
+        return heads[0], heads[1].order_key if len(heads) > 1 else _LAST
+
+    def _line(self, cls: RequestClass) -> tuple[RequestClass, ...]:
+        """The classes that share `cls`'s admission line."""
+        return (cls,) if self.order.class_aware else _CLASSES
+
+    def _run(self, cls: RequestClass, until: OrderKey, step: _Step) -> None:
+        """Give the running sequences of `cls` their next chunks in key order, up to `until`;
+        one short of blocks preempts the worst key, again and again, or at last itself."""
+        running, i = self.running[cls], step.next_running[cls]
+        held = step.bulk_tokens if cls is RequestClass.INTERACTIVE else 0  # fixed meanwhile
+        while i < len(running) and running[i].order_key < until:
+            room = step.budget - held
+            if room <= 0:  # nothing more for this class in this step
+                i = bisect.bisect_left(running, until, lo=i, key=_key)
+                break
             seq = running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, cap - used, step.budget)
+            i += 1
+            n = min(seq.num_tokens - seq.num_computed_tokens, room)
             if n <= 0:
-                i += 1
                 continue
-            spec = (
-                self._spec_tokens(seq, n, min(cap - used, step.budget) - n)
-                if seq.spec_token_ids
-                else ()
-            )
+            spec = self._spec_tokens(seq, n, room - n) if seq.spec_token_ids else ()
             if spec and self.kv.allocate_slots(seq, n + len(spec)):
                 step.add(seq, n, spec)
-                used += n + len(spec)
-                i += 1
                 continue
             while not self.kv.allocate_slots(seq, n):
-                victim = self._pick_victim(seq)
+                # The worst key is `seq` or one not yet visited: preempting it moves no index.
+                victim = max((r[-1] for r in self.running.values() if r), key=_key)
                 self._preempt(victim, step)
                 if victim is seq:
+                    i -= 1  # its successor moved up
                     break
             else:
                 step.add(seq, n)
-                used += n
-                i += 1
-        return used
+        step.next_running[cls] = i
 
     def _spec_tokens(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
         """The drafts of `seq` to compute after its `n` scheduled tokens: none unless the chunk
@@ -250,54 +303,50 @@ class Scheduler:
         )
         return tuple(seq.spec_token_ids[: max(0, room)])
 
-    def _pick_victim(self, seq: Sequence) -> Sequence:
-        """The lowest-priority running sequence not yet scheduled: bulk first, latest first.
-
-        Bulk never preempts interactive. Lists are sorted by arrival and scanned from the
-        front, so the tail is `seq` itself or one not yet reached in this step.
-        """
-        bulk = self.running[RequestClass.BULK]
-        if bulk:
-            return bulk[-1]
-        return self.running[seq.request_class][-1]
-
-    def _admit(self, cls: RequestClass, cap: int, seats: int, step: _Step) -> None:
-        """Admit waiting sequences of `cls` in FIFO order while budget, seats and blocks last."""
-        if cls in step.preempted_classes:
+    def _admit(self, seq: Sequence, step: _Step) -> None:
+        """Admit waiting `seq` (the head of its line) if it fits; else close its line."""
+        cls = seq.request_class
+        interactive = cls is RequestClass.INTERACTIVE
+        room = step.budget - (step.bulk_tokens if interactive else 0)
+        seats = self.config.max_num_seqs - (step.bulk_seats if interactive else 0)
+        lost = step.floor.get(cls)
+        if (lost is not None and seq.order_key >= lost) or self.num_running >= seats or room <= 0:
+            step.closed.update(self._line(cls))
             return
-        queue = self.waiting[cls]
-        used = 0
-        while queue and self.num_running < seats and min(cap - used, step.budget) > 0:
-            seq = queue[0]
-            cached = self.kv.get_computed_blocks(seq)
-            seq.num_computed_tokens = cached
-            n = min(seq.num_tokens - cached, cap - used, step.budget)
-            if not self.kv.allocate_slots(seq, n) and not self._preempt_bulk_for(seq, n, step):
-                self.kv.free(seq)  # the cache hits it took; it stays first in line
-                seq.num_computed_tokens = 0
-                return
-            queue.popleft()
-            seq.status = SequenceStatus.RUNNING
-            if seq.timings.first_scheduled is None:
-                seq.timings.first_scheduled = self.clock()
-                seq.num_cached_tokens = cached
-            bisect.insort(self.running[cls], seq, key=_arrival)
-            step.add(seq, n)
-            used += n
+        cached = self.kv.get_computed_blocks(seq)
+        seq.num_computed_tokens = cached
+        n = min(seq.num_tokens - cached, room)
+        if not self.kv.allocate_slots(seq, n) and not self._preempt_for(seq, n, step):
+            self.kv.free(seq)  # the cache hits it took; it stays first in line
+            seq.num_computed_tokens = 0
+            step.closed.update(self._line(cls))
+            return
+        self.waiting[cls].remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        if seq.timings.first_scheduled is None:
+            seq.timings.first_scheduled = self.clock()
+            seq.num_cached_tokens = cached
+        # Its key lies between the visited running sequences' and the others'.
+        i = bisect.bisect_right(self.running[cls], seq.order_key, key=_key)
+        self.running[cls].insert(i, seq)
+        step.next_running[cls] = i + 1
+        if not interactive:
+            step.bulk_seats = max(0, step.bulk_seats - 1)
+        step.add(seq, n)
 
-    def _preempt_bulk_for(self, seq: Sequence, n: int, step: _Step) -> bool:
-        """Make room for a waiting interactive `seq` by preempting bulk, latest first.
-
-        Preempts nothing when even every running bulk sequence's blocks would not suffice.
-        """
-        bulk = self.running[RequestClass.BULK]
-        if seq.request_class is RequestClass.BULK or not bulk:
+    def _preempt_for(self, seq: Sequence, n: int, step: _Step) -> bool:
+        """Make room for waiting `seq` by preempting running sequences with worse keys,
+        worst first. Preempts nothing when even all of their blocks would not suffice."""
+        worse = [
+            s
+            for r in self.running.values()
+            for s in r[bisect.bisect_right(r, seq.order_key, key=_key) :]
+        ]
+        held = sum(len(s.block_ids) for s in worse)
+        if not worse or self.kv.num_new_blocks(seq, n) > self.kv.num_free_blocks + held:
             return False
-        held = sum(len(s.block_ids) for s in bulk)
-        if self.kv.num_new_blocks(seq, n) > self.kv.num_free_blocks + held:
-            return False
-        while bulk:
-            self._preempt(bulk[-1], step)
+        for victim in sorted(worse, key=_key, reverse=True):
+            self._preempt(victim, step)
             if self.kv.allocate_slots(seq, n):
                 return True
         return False
@@ -309,17 +358,19 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting[cls].appendleft(seq)
+        bisect.insort(self.waiting[cls], seq, key=_key)
         self.num_preemptions += 1
         step.out.preempted.append(seq)
-        step.preempted_classes.add(cls)
+        for c in self._line(cls):
+            step.floor[c] = min(step.floor.get(c, seq.order_key), seq.order_key)
 
     # -- fairness and back-pressure -----------------------------------------------------------
 
     def _bulk_reserve(self) -> int:
-        """Tokens held back from interactive work: the bulk share, capped at bulk demand."""
+        """Tokens held back from interactive work: the bulk share, capped at bulk demand
+        (none for a class-blind order)."""
         share = self.config.bulk_min_share
-        if share <= 0.0:
+        if share <= 0.0 or not self.order.class_aware:
             return 0
         want = max(1, int(self.config.max_num_batched_tokens * share))
         demand = 0
@@ -338,7 +389,12 @@ class Scheduler:
     def _bulk_seat_reserve(self) -> int:
         """Seats interactive admission leaves free while bulk waits with fewer than its share."""
         share = self.config.bulk_min_share
-        if share <= 0.0 or not self.waiting[RequestClass.BULK] or self.config.max_num_seqs < 2:
+        if (
+            share <= 0.0
+            or not self.order.class_aware
+            or not self.waiting[RequestClass.BULK]
+            or self.config.max_num_seqs < 2
+        ):
             return 0
         want = math.ceil(self.config.max_num_seqs * share)
         return max(0, want - len(self.running[RequestClass.BULK]))

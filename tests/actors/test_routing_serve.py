@@ -108,7 +108,7 @@ async def test_a_router_that_never_sent_a_prefix_finds_the_replica_holding_it(ba
     prefix = [(7 * i + 3) % 1000 + 10 for i in range(160)]  # 10 full blocks
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         await settle(client)
-        body = {"model": "demo", "prompt": prefix + [5, 6, 7], "max_tokens": 1}
+        body = {"model": "demo", "prompt": [*prefix, 5, 6, 7], "max_tokens": 1}
         assert (await client.post("/v1/completions", json=body)).status_code == 200
         await asyncio.sleep(1.0)  # the holder's next stats push carries the blocks
         before = by_replica(await scrape(client), "firstlight_prefix_cache_hits_total")
@@ -123,7 +123,7 @@ async def test_a_router_that_never_sent_a_prefix_finds_the_replica_holding_it(ba
 
         await generate("warm-router", [3, 1, 4, 1, 5, 9, 2, 6])  # starts its sketch sync
         await asyncio.sleep(1.0)
-        await generate("same-prefix", prefix + [8, 9])
+        await generate("same-prefix", [*prefix, 8, 9])
         await asyncio.sleep(0.8)
         after = by_replica(await scrape(client), "firstlight_prefix_cache_hits_total")
         grew = {r: v - before.get(r, 0.0) for r, v in after.items() if v > before.get(r, 0.0)}

@@ -114,6 +114,10 @@ def test_bare_mode_skips_exactly_the_serve_only_sections():
         ({"ingress": {"transport": "carrier-pigeon"}}, ["ingress.transport"]),
         ({"ingress": {"token_path": "smoke"}}, ["ingress.token_path"]),
         ({"policies": {"routing": "nope"}}, ["policies", "nope", "prefix_affinity"]),
+        (
+            {"engine": {"scheduler": {"policy": "nope"}}},
+            ["engine.scheduler.policy", "nope", "deadline, fcfs, priority"],
+        ),
         ({"replica": {"resources": {"CPU": 1}}}, ["replica.resources", "not a custom one"]),
         ({"ingress": {"resources": {"head": 1.5}}}, ["ingress.resources", "whole number"]),
         ({"control_plane": {"resources": {"head": 0}}}, ["control_plane.resources"]),

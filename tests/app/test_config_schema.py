@@ -82,6 +82,22 @@ def test_the_app_schema_is_the_engine_config_field_by_field():
     assert defs["SchedulerConfig"]["additionalProperties"] is False
 
 
+def test_the_step_order_fields_validate_in_the_schema():
+    def scheduler(**fields: object) -> SchedulerConfig:
+        return AppConfig(engine={"scheduler": fields}).engine.scheduler
+
+    assert scheduler() == SchedulerConfig()
+    chosen = scheduler(policy="deadline", interactive_ttft_s=0.5, bulk_ttft_s=20)
+    assert (chosen.policy, chosen.interactive_ttft_s, chosen.bulk_ttft_s) == ("deadline", 0.5, 20.0)
+    assert scheduler(aging_s=None).aging_s is None  # strict priority
+    assert scheduler(aging_s=float("inf")).aging_s == float("inf")  # YAML's .inf
+    assert scheduler(aging_s="inf").aging_s == float("inf")  # an environment variable's
+    assert scheduler(aging_s=12).aging_s == 12.0
+    for bad in ({"aging_s": -1}, {"bulk_ttft_s": -0.5}, {"policy": 3}, {"aging_s": "soon"}):
+        with pytest.raises(ValidationError, match=f"engine.scheduler.{next(iter(bad))}"):
+            scheduler(**bad)
+
+
 def test_unknown_metadata_is_refused():
     @dataclass
     class Typo:

@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 from engine.config import SchedulerConfig
 from engine.kv.cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestClass, SamplingParams
+from engine.sched.order import StepOrderPolicy
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -70,7 +71,9 @@ def make_scheduler(
     max_model_len: int = 4096,
     enable_prefix_caching: bool = True,
     clock: FakeClock | None = None,
+    order: StepOrderPolicy | None = None,
 ) -> Scheduler:
+    """A scheduler over a fresh KV pool; `order` defaults to the config's (priority)."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
@@ -78,7 +81,7 @@ def make_scheduler(
         max_waiting=max_waiting,
         bulk_min_share=bulk_min_share,
     )
-    return Scheduler(config, kv, max_model_len, clock=clock or FakeClock())
+    return Scheduler(config, kv, max_model_len, clock=clock or FakeClock(), order=order)
 
 
 def fake_token(seq: Sequence) -> int:

@@ -8,6 +8,7 @@ import pytest
 
 from engine.errors import InvalidRequest
 from engine.request import FinishReason, RequestClass
+from engine.sched.order import StepOrderPolicy
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -295,6 +296,12 @@ class KVTracker:
 
 
 def test_random_workload_keeps_kv_consistent_and_leaks_nothing():
+    run_random_workload()
+
+
+def run_random_workload(order: StepOrderPolicy | None = None) -> None:
+    """200 random requests sharing prefixes, random aborts: every chunk reads the K/V its
+    context wrote, and everything is freed at the end (also run per step order)."""
     rng = random.Random(7)
     block_size, num_blocks = 4, 48
     sched = make_scheduler(
@@ -305,6 +312,7 @@ def test_random_workload_keeps_kv_consistent_and_leaks_nothing():
         max_waiting=1000,
         bulk_min_share=0.2,
         max_model_len=160,
+        order=order,
     )
     tracker = KVTracker(block_size)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 25))] for _ in range(3)]

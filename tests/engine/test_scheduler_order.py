@@ -1,0 +1,268 @@
+"""The step scheduler under each step order: who is admitted, who gets budget, who is
+preempted (the keys themselves are tested in tests/policies/test_step_order.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.request import FinishReason, RequestClass
+from engine.sched.order import StepOrderPolicy
+from engine.sched.output import SchedulerOutput
+from engine.sched.scheduler import Scheduler
+from engine.sequence import Sequence
+from policies.step_order import ClassPriority, EarliestDeadline, FirstComeFirstServed
+from tests.engine.sched_helpers import fake_token, make_requests, make_scheduler, make_seq, run_step
+from tests.engine.test_scheduler import run_random_workload
+
+BULK = RequestClass.BULK
+INTERACTIVE = RequestClass.INTERACTIVE
+
+
+def chunk_sizes(out: SchedulerOutput) -> dict[str, int]:
+    return {c.seq.request_id: c.num_tokens for c in out.chunks}
+
+
+def admitted(out: SchedulerOutput) -> list[str]:
+    """Ids of the sequences whose first chunk this was, in the order they were served."""
+    return [c.seq.request_id for c in out.chunks if c.start == c.seq.num_cached_tokens]
+
+
+def with_deadline(seq: Sequence, deadline: float) -> Sequence:
+    seq.request.deadline = deadline
+    return seq
+
+
+def fill(sched: Scheduler, *seqs: Sequence) -> None:
+    """Admit and prefill `seqs` in one step."""
+    for seq in seqs:
+        sched.add(seq)
+    out, _ = run_step(sched)
+    assert {c.seq for c in out.chunks} == set(seqs)
+
+
+# -- fcfs ---------------------------------------------------------------------------------------
+
+
+def test_fcfs_serves_an_earlier_bulk_before_a_later_interactive_when_seats_are_short():
+    for order, first in ((FirstComeFirstServed(), "bulk"), (ClassPriority(), "chat")):
+        sched = make_scheduler(max_num_seqs=1, order=order)
+        sched.add(make_seq("chat", 20, arrival=1.0))
+        sched.add(make_seq("bulk", 20, cls=BULK, arrival=0.0))
+        out, _ = run_step(sched)
+        assert admitted(out) == [first], order.name
+
+
+def test_fcfs_reserves_neither_budget_nor_seats_for_bulk():
+    sched = make_scheduler(
+        max_num_batched_tokens=64, bulk_min_share=0.25, order=FirstComeFirstServed()
+    )
+    sched.add(make_seq("chat", 100, arrival=0.0))
+    sched.add(make_seq("bulk", 100, cls=BULK, arrival=1.0))
+    out, _ = run_step(sched)
+    assert chunk_sizes(out) == {"chat": 64}  # priority would give bulk its 16 (test_scheduler)
+
+    sched = make_scheduler(max_num_seqs=4, bulk_min_share=0.25, order=FirstComeFirstServed())
+    for seq in make_requests(10, 4):
+        sched.add(seq)
+    sched.add(make_seq("bulk", 4, cls=BULK, arrival=99.0))
+    out, _ = run_step(sched)
+    assert set(chunk_sizes(out)) == {"r0", "r1", "r2", "r3"}
+
+
+def test_fcfs_admits_in_one_line_and_nothing_after_a_victim():
+    # A blocked head holds up everything behind it, bulk or not.
+    sched = make_scheduler(num_blocks=8, order=FirstComeFirstServed())
+    fill(sched, make_seq("run", 64, arrival=0.0))  # 4 of 8 blocks
+    sched.add(make_seq("huge", 100, arrival=1.0))  # 7 blocks: does not fit
+    sched.add(make_seq("small", 8, cls=BULK, arrival=2.0))
+    out, _ = run_step(sched)
+    assert chunk_sizes(out) == {"run": 1} and out.preempted == []
+    # Priority admits the bulk one: its line is its own.
+    sched = make_scheduler(num_blocks=8)
+    fill(sched, make_seq("run", 64, arrival=0.0))
+    sched.add(make_seq("huge", 100, arrival=1.0))
+    sched.add(make_seq("small", 8, cls=BULK, arrival=2.0))
+    out, _ = run_step(sched)
+    assert chunk_sizes(out) == {"run": 1, "small": 8}
+
+
+# -- priority -----------------------------------------------------------------------------------
+
+
+def test_priority_serves_interactive_first():
+    sched = make_scheduler(max_num_seqs=1, bulk_min_share=0.0)
+    sched.add(make_seq("bulk", 20, cls=BULK, arrival=0.0))
+    sched.add(make_seq("chat", 20, arrival=29.0))  # arrived 29 s later: aging is 30 s
+    out, _ = run_step(sched)
+    assert admitted(out) == ["chat"]
+
+
+def test_priority_admits_a_bulk_that_waited_longer_than_aging_s_before_a_new_interactive():
+    def first_admitted(order: StepOrderPolicy, chat_arrival: float) -> list[str]:
+        sched = make_scheduler(max_num_seqs=1, order=order)
+        sched.add(make_seq("bulk", 20, cls=BULK, arrival=0.0))
+        sched.add(make_seq("chat", 20, arrival=chat_arrival))
+        return admitted(run_step(sched)[0])
+
+    assert first_admitted(ClassPriority(aging_s=10.0), 11.0) == ["bulk"]
+    assert first_admitted(ClassPriority(aging_s=10.0), 9.0) == ["chat"]
+    assert first_admitted(ClassPriority(aging_s=None), 1e9) == ["chat"]  # strict
+
+
+def test_an_aged_bulk_gets_its_chunk_before_a_newer_interactive_one():
+    sched = make_scheduler(max_num_batched_tokens=64, order=ClassPriority(aging_s=10.0))
+    sched.add(make_seq("bulk", 100, cls=BULK, arrival=0.0))
+    sched.add(make_seq("chat", 100, arrival=20.0))
+    out, _ = run_step(sched)
+    assert [c.seq.request_id for c in out.chunks] == ["bulk"]  # it took the whole budget
+    out, _ = run_step(sched)
+    assert chunk_sizes(out) == {"bulk": 36, "chat": 28}
+
+
+def test_interactive_work_stops_at_the_bulk_reserve_and_bulk_still_runs():
+    sched = make_scheduler(max_num_batched_tokens=64, bulk_min_share=0.25)
+    fill(sched, make_seq("a", 8, arrival=0.0), make_seq("b", 8, arrival=1.0))
+    for seq in sched.running[INTERACTIVE]:
+        seq.token_ids.extend(range(100))  # both have a long way to go again
+    sched.add(make_seq("bulk", 100, cls=BULK, arrival=2.0))
+    out, _ = run_step(sched)
+    assert chunk_sizes(out) == {"a": 48, "bulk": 16}
+
+
+# -- deadline -----------------------------------------------------------------------------------
+
+
+def test_deadline_admits_the_earliest_deadline_first():
+    def order_of(*seqs: Sequence) -> list[str]:
+        sched = make_scheduler(max_num_seqs=1, order=EarliestDeadline(1.0, 30.0))
+        for seq in seqs:
+            sched.add(seq)
+        served = []
+        while sched.has_unfinished():
+            out, _ = run_step(sched)
+            served += admitted(out)
+        return served
+
+    # Deadlines: bulk 0 + 30 = 30, chat 10 + 1 = 11, late 40 + 1 = 41.
+    bulk = make_seq("bulk", 8, cls=BULK, arrival=0.0, max_tokens=1)
+    chat = make_seq("chat", 8, arrival=10.0, max_tokens=1)
+    late = make_seq("late", 8, arrival=40.0, max_tokens=1)
+    assert order_of(late, bulk, chat) == ["chat", "bulk", "late"]
+    # An explicit earlier deadline wins over the class's target.
+    bulk = with_deadline(make_seq("bulk", 8, cls=BULK, arrival=0.0, max_tokens=1), 5.0)
+    chat = make_seq("chat", 8, arrival=10.0, max_tokens=1)
+    late = with_deadline(make_seq("late", 8, arrival=40.0, max_tokens=1), 3.0)
+    assert order_of(chat, bulk, late) == ["late", "bulk", "chat"]
+
+
+def test_a_waiting_sequence_preempts_only_worse_keys():
+    # Deadline: a waiting bulk request due first takes the blocks of a running interactive one.
+    sched = make_scheduler(num_blocks=6, order=EarliestDeadline(1.0, 30.0))
+    chat = make_seq("chat", 64, arrival=10.0)
+    fill(sched, chat)
+    urgent = with_deadline(make_seq("urgent", 64, cls=BULK, arrival=11.0), 10.5)
+    sched.add(urgent)
+    out, _ = run_step(sched)
+    assert out.preempted == [chat] and chunk_sizes(out) == {"urgent": 64}
+    # FCFS: a later interactive request does not preempt an earlier bulk one.
+    sched = make_scheduler(num_blocks=6, order=FirstComeFirstServed())
+    fill(sched, make_seq("bulk", 64, cls=BULK, arrival=0.0))
+    sched.add(make_seq("chat", 64, arrival=1.0))
+    out, _ = run_step(sched)
+    assert out.preempted == [] and chunk_sizes(out) == {"bulk": 1}
+
+
+# -- preemption and invariants, every order -----------------------------------------------------
+
+ORDERS = {
+    "fcfs": FirstComeFirstServed(),
+    "priority": ClassPriority(aging_s=10.0),
+    "strict": ClassPriority(aging_s=None),
+    "deadline": EarliestDeadline(1.0, 30.0),
+}
+
+
+@pytest.mark.parametrize(
+    ("order", "bulk_deadline", "victim"),
+    [
+        ("fcfs", None, "late"),  # keys: bulk 0, early 1, late 20
+        ("priority", None, "late"),  # bulk 10, early 1, late 20
+        ("strict", None, "bulk"),  # bulk inf
+        ("deadline", None, "bulk"),  # bulk 30, early 2, late 21
+        ("deadline", 0.5, "late"),  # bulk 0.5
+    ],
+)
+def test_preemption_takes_the_worst_key(order, bulk_deadline, victim):
+    sched = make_scheduler(num_blocks=10, order=ORDERS[order])
+    bulk = make_seq("bulk", 48, cls=BULK, arrival=0.0)
+    if bulk_deadline is not None:
+        with_deadline(bulk, bulk_deadline)
+    seqs = [bulk, make_seq("early", 48, arrival=1.0), make_seq("late", 48, arrival=20.0)]
+    fill(sched, *seqs)  # 9 of 10 blocks; each needs one more now
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.preempted] == [victim]
+    assert victim == max(seqs, key=lambda s: s.order_key).request_id
+    assert set(chunk_sizes(out)) == {s.request_id for s in seqs} - {victim}
+    assert sched.waiting[sched.get(victim).request_class][0].request_id == victim
+
+
+@pytest.mark.parametrize("order", ["fcfs", "strict", "deadline"])
+def test_random_workload_keeps_kv_consistent_under_every_order(order):
+    run_random_workload(ORDERS[order])  # test_scheduler.py runs it under the default
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_every_step_follows_the_keys(order):
+    """Chunks in key order; lists sorted by key; nothing admitted after a victim of its line."""
+    rng = random.Random(3)
+    sched = make_scheduler(
+        num_blocks=40,
+        block_size=4,
+        max_num_batched_tokens=32,
+        max_num_seqs=5,
+        max_waiting=1000,
+        bulk_min_share=0.2,
+        max_model_len=160,
+        order=ORDERS[order],
+    )
+    todo = []
+    for i in range(120):
+        cls = BULK if rng.random() < 0.4 else INTERACTIVE
+        seq = make_seq(f"q{i}", rng.randrange(1, 40), cls=cls, arrival=i / 2, max_tokens=20)
+        if rng.random() < 0.2:
+            with_deadline(seq, i / 2 + rng.uniform(0.0, 40.0))
+        todo.append(seq)
+    todo.reverse()
+    preemptions = 0
+    for _ in range(5000):
+        if not todo and not sched.has_unfinished():
+            break
+        for _ in range(rng.randrange(3)):
+            if todo:
+                sched.add(todo.pop())
+        waiting_before = {s for q in sched.waiting.values() for s in q}
+        out = sched.schedule()
+        keys = [c.seq.order_key for c in out.chunks]
+        assert keys == sorted(keys) and not {c.seq for c in out.chunks} & set(out.preempted)
+        for lists in (sched.running, sched.waiting):
+            for q in lists.values():
+                assert [s.order_key for s in q] == sorted(s.order_key for s in q)
+        new = [c.seq for c in out.chunks if c.seq in waiting_before]
+        for victim in out.preempted:
+            same_line = [
+                s
+                for s in new
+                if not sched.order.class_aware or s.request_class is victim.request_class
+            ]
+            assert all(s.order_key < victim.order_key for s in same_line)
+        preemptions += len(out.preempted)
+        sampled = [c.seq for c in out.chunks if c.samples]
+        sched.update(out)
+        for seq in sampled:
+            seq.token_ids.append(fake_token(seq))
+            if seq.num_output_tokens >= seq.sampling.max_tokens:
+                sched.finish(seq, FinishReason.LENGTH)
+    assert not todo and not sched.has_unfinished()
+    assert preemptions > 0 and sched.kv.num_free_blocks == sched.kv.num_blocks
