@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.firstlight-setup
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup browser demo serve standalone screenshot load test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec bench-batch bench-structured clean
+.PHONY: setup browser demo serve standalone screenshot load test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec bench-batch bench-structured bench-policies clean
 
 setup: $(STAMP) browser
 
@@ -89,3 +89,7 @@ clean:
 
 bench-structured: setup demo
 	$(PY) bench/structured.py
+
+# Cluster policies on 2 replicas: interactive vs bulk, prefix-heavy routing, autoscaling (~10 min)
+bench-policies: setup demo
+	$(PY) bench/policies.py

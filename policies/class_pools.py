@@ -1,16 +1,18 @@
-"""Class-aware routing: replicas kept for interactive requests, the rest for bulk.
+"""Class-aware routing: replicas kept free of bulk work for interactive requests.
 
 An interactive token waits for its replica's whole step, and every bulk prefill chunk and
-bulk sequence in that step lengthens it. `class_pools` keeps `interactive_replicas` replicas
-for interactive requests (never all of them: with two or more replicas, bulk keeps at least
-one; a single replica serves both classes). The other replicas form the second pool, which
-is either
+bulk sequence in that step lengthens it. `class_pools` keeps `interactive_replicas`
+replicas out of bulk's way (never all of them: with two or more replicas, bulk keeps at
+least one; a single replica serves both classes). The other replicas form the second pool,
+which is either
 
-    shared   bulk requests, and interactive ones when every interactive replica is full
-    bulk     bulk requests only
+    shared   bulk requests go there; interactive ones may go to any replica
+    bulk     bulk requests only; interactive ones stay in the interactive pool
 
-Within a pool the `inner` policy ranks (prefix affinity by default, with its own options), so
-a conversation still returns to the replica holding its history.
+Within the replicas a request may use, the `inner` policy ranks (prefix affinity by
+default, with its own options): a conversation still returns to the replica holding its
+history, and a new prompt goes to the least loaded, which for chat is an interactive
+replica whenever bulk keeps the shared ones busy.
 
 With `lend` (the default), an interactive replica also takes bulk into the seats the bulk
 throttle says it lends (`policies.bulk_throttle`, the same policy the callers hold bulk
@@ -85,14 +87,12 @@ class ClassPools(ReplicaRoutingPolicy):
         def ranks(ids: list[str]) -> list[list[str]]:
             return self.inner.rank(request, [by_id[rid] for rid in ids]) if ids else []
 
-        if request is not None and request.request_class is RequestClass.BULK:
-            if other == interactive:
-                return ranks(other)
-            return ranks(other + self.lending(interactive))
         if other == interactive:  # one replica serves both classes
             return ranks(interactive)
+        if request is not None and request.request_class is RequestClass.BULK:
+            return ranks(other + self.lending(interactive))
         if self.other_pool == "shared":
-            return ranks(interactive) + ranks(other)
+            return ranks(interactive + other)
         return ranks(interactive)
 
     def lending(self, pool: list[str]) -> list[str]:

@@ -26,12 +26,12 @@ def flat(ranks: list[list[str]]) -> list[str]:
     return [rid for rank in ranks for rid in rank]
 
 
-def test_interactive_goes_to_its_pool_first_and_bulk_never_does():
-    policy = create(ReplicaRoutingPolicy, "class_pools", inner="least_loaded")
-    replicas = views("r1", "r2", "r3")
+def test_bulk_stays_off_the_interactive_pool_and_chat_may_use_any_replica():
+    policy = create(ReplicaRoutingPolicy, "class_pools", inner="least_loaded", lend=False)
+    replicas = views("r1", "r2", "r3", queues={"r2": 5, "r3": 6})
     assert policy.pools(["r1", "r2", "r3"]) == (["r1"], ["r2", "r3"])
-    assert flat(policy.rank(chat(), replicas))[0] == "r1"
-    assert sorted(flat(policy.rank(chat(), replicas))) == ["r1", "r2", "r3"]  # shared overflow
+    assert flat(policy.rank(chat(), replicas))[0] == "r1"  # the bulk-free one is least loaded
+    assert sorted(flat(policy.rank(chat(), replicas))) == ["r1", "r2", "r3"]  # shared
     assert sorted(flat(policy.rank(bulk(), replicas))) == ["r2", "r3"]
 
 
