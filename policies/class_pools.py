@@ -14,11 +14,12 @@ default, with its own options): a conversation still returns to the replica hold
 history, and a new prompt goes to the least loaded, which for chat is an interactive
 replica whenever bulk keeps the shared ones busy.
 
-With `lend` (the default), an interactive replica also takes bulk into the seats the bulk
-throttle says it lends (`policies.bulk_throttle`, the same policy the callers hold bulk
-with): all of them while it serves no chat, a small share while it does. So a fleet running
-only bulk work uses every replica, and chat arriving on its replica finds at most that share
-of bulk beside it. What each replica carries comes from the router's `PrefixIndex.loads`;
+An interactive replica may lend bulk its seats, as the bulk throttle (`policies.bulk_throttle`,
+the same policy the callers hold bulk with) reckons them: `lend: idle` (the default) only
+while it serves no chat (all its seats, none once chat was seen within the throttle's hold),
+so a fleet running only bulk work uses every replica and chat finds its pool free of new
+bulk; `lend: throttle` also the small share the throttle lends a replica serving chat;
+`lend: off` never. What each replica carries comes from the router's `PrefixIndex.loads`;
 before the first report, nothing is lent.
 
 Membership is sticky: a replica stays in the interactive pool while it lives (its cache holds
@@ -45,7 +46,7 @@ class ClassPools(ReplicaRoutingPolicy):
         interactive_replicas: int = 1,
         other_pool: Literal["shared", "bulk"] = "shared",
         inner: str = "prefix_affinity",
-        lend: bool = True,
+        lend: Literal["idle", "throttle", "off"] = "idle",
         throttle: str = "spare_capacity",
         throttle_options: dict[str, Any] | None = None,
         **inner_options: Any,
@@ -56,6 +57,8 @@ class ClassPools(ReplicaRoutingPolicy):
             raise ValueError(f"class_pools: other_pool must be shared or bulk, got {other_pool!r}")
         if inner == self.name:
             raise ValueError("class_pools: inner must be another routing policy")
+        if lend not in ("idle", "throttle", "off"):
+            raise ValueError(f"class_pools: lend must be idle, throttle or off, got {lend!r}")
         self.interactive_replicas = interactive_replicas
         self.other_pool = other_pool
         self.inner = create(ReplicaRoutingPolicy, inner, **inner_options)
@@ -97,10 +100,14 @@ class ClassPools(ReplicaRoutingPolicy):
 
     def lending(self, pool: list[str]) -> list[str]:
         """The replicas of the interactive `pool` with a lent bulk seat free, as last reported."""
-        if not self.lend or self.index is None:
+        if self.lend == "off" or self.index is None:
             return []
         loads = {rid: self.index.loads[rid] for rid in pool if rid in self.index.loads}
         allowed = self.throttle.allowances(loads)
+        if self.lend == "idle":  # a replica lends only when the throttle sees it idle
+            allowed = {
+                rid: n if n >= loads[rid].admission.max_running else 0 for rid, n in allowed.items()
+            }
         return [
             rid
             for rid, stats in loads.items()

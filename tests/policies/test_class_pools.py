@@ -27,7 +27,7 @@ def flat(ranks: list[list[str]]) -> list[str]:
 
 
 def test_bulk_stays_off_the_interactive_pool_and_chat_may_use_any_replica():
-    policy = create(ReplicaRoutingPolicy, "class_pools", inner="least_loaded", lend=False)
+    policy = create(ReplicaRoutingPolicy, "class_pools", inner="least_loaded", lend="off")
     replicas = views("r1", "r2", "r3", queues={"r2": 5, "r3": 6})
     assert policy.pools(["r1", "r2", "r3"]) == (["r1"], ["r2", "r3"])
     assert flat(policy.rank(chat(), replicas))[0] == "r1"  # the bulk-free one is least loaded
@@ -78,6 +78,8 @@ def test_bad_options_are_refused():
         ClassPools(inner="class_pools")
     with pytest.raises(ValueError):
         ClassPools(inner="nonexistent")
+    with pytest.raises(ValueError):
+        ClassPools(lend="always")  # type: ignore[arg-type]
 
 
 def load(interactive: int = 0, bulk: int = 0, seats: int = 8):
@@ -96,7 +98,9 @@ def test_an_interactive_replica_lends_bulk_the_seats_the_throttle_allows():
     from policies.prefix_index import PrefixIndex
 
     index = PrefixIndex()
-    policy = ClassPools(inner="least_loaded", throttle_options={"busy_share": 0.25, "hold_s": 0.0})
+    policy = ClassPools(
+        inner="least_loaded", lend="throttle", throttle_options={"busy_share": 0.25, "hold_s": 0.0}
+    )
     policy.use_index(index)
     replicas = views("a", "b")  # a: the interactive pool
     assert flat(policy.rank(bulk(), replicas)) == ["b"]  # nothing reported yet: none lent
@@ -106,7 +110,20 @@ def test_an_interactive_replica_lends_bulk_the_seats_the_throttle_allows():
     assert sorted(flat(policy.rank(bulk(), replicas))) == ["a", "b"]  # 2 of 8 lent, 1 used
     index.apply({}, ["a", "b"], loads={"a": load(interactive=2, bulk=2), "b": load()})
     assert flat(policy.rank(bulk(), replicas)) == ["b"]  # its share is taken
-    no_lending = ClassPools(inner="least_loaded", lend=False)
+    no_lending = ClassPools(inner="least_loaded", lend="off")
     no_lending.use_index(index)
     index.apply({}, ["a", "b"], loads={"a": load(), "b": load()})
     assert flat(no_lending.rank(bulk(), replicas)) == ["b"]
+
+
+def test_by_default_an_interactive_replica_lends_only_while_it_serves_no_chat():
+    from policies.prefix_index import PrefixIndex
+
+    index = PrefixIndex()
+    policy = ClassPools(inner="least_loaded", throttle_options={"hold_s": 0.0})
+    policy.use_index(index)
+    replicas = views("a", "b")
+    index.apply({}, ["a", "b"], loads={"a": load(bulk=7), "b": load()})
+    assert sorted(flat(policy.rank(bulk(), replicas))) == ["a", "b"]  # idle: a seat left
+    index.apply({}, ["a", "b"], loads={"a": load(interactive=1), "b": load()})
+    assert flat(policy.rank(bulk(), replicas)) == ["b"]  # chat: nothing lent
