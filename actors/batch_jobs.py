@@ -32,7 +32,7 @@ from app.batch.store import BatchStore
 from app.endpoint import Endpoints
 from app.openai.prepare import OpenAILayer
 from policies.base import create
-from policies.bulk_throttle import BulkThrottle, bulk_room
+from policies.bulk_throttle import BulkThrottle, RecentMax, bulk_room
 from policies.request_class import RequestClassPolicy
 
 logger = logging.getLogger("firstlight.batch")
@@ -53,9 +53,12 @@ class BatchJobs:
         policies = config.policies
         throttle = create(BulkThrottle, policies.bulk_throttle, **policies.options("bulk_throttle"))
         cache = self.cache
-        self.runner = BatchRunner(
-            self.store, layer, lambda own: own + bulk_room(throttle, cache.replica_stats(), own)
-        )
+        reported = RecentMax(2 * (interval + config.replica.stats_interval_s))
+
+        def capacity(own: int) -> int:  # lines in flight: the throttle's room for them
+            return own + bulk_room(throttle, cache.replica_stats(), own, reported.note(own))
+
+        self.runner = BatchRunner(self.store, layer, capacity)
         sync = sync_forever(control_plane, self.cache, self.id, self.runner.snapshot, interval)
         self._sync_task = asyncio.create_task(sync, name="batch-sync")
         await wait_for_first_view(self.cache, timeout_s=max(5.0, 10 * interval))

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from engine.errors import QueueFull
 from engine.request import RequestClass
 from engine.stats import EngineStats
-from policies.bulk_throttle import BulkThrottle, bulk_room
+from policies.bulk_throttle import BulkThrottle, RecentMax, bulk_room
 
 
 class BulkGate:
@@ -36,6 +36,7 @@ class BulkGate:
         max_waiting: int,
         retry_after: Callable[[RequestClass], float] = lambda _: 1.0,
         poll_s: float = 0.05,
+        view_age_s: float = 2.0,
     ) -> None:
         self.throttle = throttle
         self.replicas = replicas
@@ -44,6 +45,8 @@ class BulkGate:
         self.retry_after = retry_after
         self.poll_s = poll_s
         self.in_flight = 0  # this caller's bulk requests past the gate, not yet ended
+        # the most it had in flight while the view's reports were made (bulk_room)
+        self._reported = RecentMax(view_age_s)
         self._waiting: deque[asyncio.Event] = deque()  # one per waiting request, in order
         self.num_waited = 0  # requests that had to wait (cumulative)
         self.num_refused = 0
@@ -53,7 +56,8 @@ class BulkGate:
         view = self.replicas()
         if not view:
             return max(0, 1 - self.in_flight)  # no view yet: one at a time
-        return bulk_room(self.throttle, view, self.in_flight)
+        reported = self._reported.note(self.in_flight)
+        return bulk_room(self.throttle, view, self.in_flight, reported)
 
     async def acquire(self, request_class: RequestClass) -> bool:
         """Wait for room for one request of `request_class`; True when it took a bulk place
@@ -62,6 +66,7 @@ class BulkGate:
             return False
         if not self._waiting and self.room() > 0:
             self.in_flight += 1
+            self._reported.note(self.in_flight)
             return True
         if len(self._waiting) >= self.max_waiting:
             self.num_refused += 1
@@ -78,6 +83,7 @@ class BulkGate:
                 wake.clear()
                 if self._waiting[0] is wake and self.room() > 0:
                     self.in_flight += 1
+                    self._reported.note(self.in_flight)
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:

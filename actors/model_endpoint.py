@@ -50,6 +50,7 @@ def bulk_gate(config: AppConfig, cache: ClusterCache) -> BulkGate:
         max_wait_s=ingress.bulk_max_wait_s,
         max_waiting=ingress.bulk_max_waiting,
         retry_after=cache.retry_after_s,
+        view_age_s=2 * (ingress.sync_interval_s + config.replica.stats_interval_s),
     )
 
 

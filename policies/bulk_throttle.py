@@ -47,12 +47,44 @@ def bulk_in_engines(replicas: Mapping[str, EngineStats]) -> int:
     return sum(s.running.bulk + s.waiting.bulk for s in replicas.values())
 
 
-def bulk_room(throttle: BulkThrottle, replicas: Mapping[str, EngineStats], own: int) -> int:
+def bulk_room(
+    throttle: BulkThrottle,
+    replicas: Mapping[str, EngineStats],
+    own: int,
+    own_reported: int | None = None,
+) -> int:
     """How many more bulk requests one caller with `own` bulk requests in flight may send:
-    the allowance, less the bulk other callers have in the engines (all bulk there, as last
-    reported, less this caller's own), less its own."""
-    others = max(0, bulk_in_engines(replicas) - own)
+    the allowance, less the bulk other callers have in the engines, less its own.
+
+    Other callers' bulk is all the bulk the engines last reported less what of it was this
+    caller's: `own_reported`, its in-flight count when those reports were made (pass the
+    most it had in flight over the view's age: reports lag, and subtracting only what is in
+    flight *now* would count this caller's just-finished requests as someone else's and
+    leave their places empty until the next report)."""
+    reported = own if own_reported is None else max(own, own_reported)
+    others = max(0, bulk_in_engines(replicas) - reported)
     return throttle.allowance(replicas) - others - own
+
+
+class RecentMax:
+    """The largest value `note`d over the last `window_s` seconds (e.g. a caller's bulk in
+    flight over the age of its cluster view)."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._samples: list[tuple[float, int]] = []  # (time, value), values decreasing
+
+    def note(self, value: int) -> int:
+        """Record `value` now; returns the max over the window."""
+        now = self.clock()
+        samples = self._samples
+        while samples and samples[-1][1] <= value:
+            samples.pop()
+        samples.append((now, value))
+        while samples[0][0] < now - self.window_s:
+            samples.pop(0)
+        return samples[0][1]
 
 
 @register("spare_capacity")

@@ -6,7 +6,14 @@ import pytest
 
 from engine.stats import AdmissionStats, ClassCounts, EngineStats, KVStats
 from policies.base import create
-from policies.bulk_throttle import UNLIMITED, BulkThrottle, SpareCapacity, bulk_in_engines
+from policies.bulk_throttle import (
+    UNLIMITED,
+    BulkThrottle,
+    RecentMax,
+    SpareCapacity,
+    bulk_in_engines,
+    bulk_room,
+)
 
 
 def stats(interactive: int = 0, bulk: int = 0, waiting_interactive: int = 0, seats: int = 32):
@@ -53,3 +60,24 @@ def test_unlimited_and_the_registry():
     with pytest.raises(ValueError):
         SpareCapacity(busy_share=2.0)
     assert bulk_in_engines({"a": stats(bulk=3), "b": stats(bulk=4)}) == 7
+
+
+def test_recent_max_keeps_the_peak_of_its_window():
+    clock = Clock()
+    recent = RecentMax(2.0, clock=clock)
+    assert recent.note(5) == 5
+    clock.now = 1.0
+    assert recent.note(3) == 5
+    clock.now = 2.5  # the 5 is older than the window now
+    assert recent.note(4) == 4
+    clock.now = 10.0
+    assert recent.note(0) == 0
+
+
+def test_a_caller_whose_requests_just_finished_keeps_their_places():
+    """The view still shows this caller's 20 finished requests; they are not someone else's."""
+    throttle = SpareCapacity(hold_s=0.0, clock=Clock())
+    view = {"a": stats(bulk=32)}  # reported while this caller had 32 in flight
+    assert bulk_room(throttle, view, own=12) == 0  # taken as 20 of someone else's
+    assert bulk_room(throttle, view, own=12, own_reported=32) == 20
+    assert bulk_room(throttle, {"a": stats(bulk=40)}, own=12, own_reported=32) == 12  # 8 others
