@@ -39,7 +39,6 @@ import contextlib
 import json
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -63,6 +62,7 @@ from bench.overhead import (  # noqa: E402
     start_ray_serve,
     stop_serve,
 )
+from bench.routing import run_policy  # noqa: E402
 from locustfiles.prompts import QUESTIONS  # noqa: E402
 from locustfiles.svg import Series, line_chart  # noqa: E402
 
@@ -316,37 +316,6 @@ def sessions(opts: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]
     return warm, [ask(s) for s in order]
 
 
-async def prefix_load(url: str, warm: list[list[int]], prompts: list[list[int]]) -> dict:
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-
-        async def one(prompt: list[int]) -> float:
-            body = {"model": "demo", "prompt": prompt, "max_tokens": 1, "temperature": 0}
-            start = time.perf_counter()
-            response = await client.post("/v1/completions", json=body)
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-            return 1000 * (time.perf_counter() - start)
-
-        for prompt in warm:
-            await one(prompt)
-        await asyncio.sleep(1.5)  # replica stats (and sketches) reach /metrics and routers
-        before = await scrape(client)
-        ttft = [await one(prompt) for prompt in prompts]
-        await asyncio.sleep(1.5)
-        after = await scrape(client)
-    queries = after["firstlight_prefix_cache_queries_total"] - before.get(
-        "firstlight_prefix_cache_queries_total", 0.0
-    )
-    hits = after["firstlight_prefix_cache_hits_total"] - before.get(
-        "firstlight_prefix_cache_hits_total", 0.0
-    )
-    return {
-        "hit_rate": hits / max(1.0, queries),
-        "ttft_p50_ms": percentile(ttft, 0.5),
-        "ttft_mean_ms": statistics.fmean(ttft),
-    }
-
-
 # -- 3. autoscaling ----------------------------------------------------------------------------
 
 
@@ -524,7 +493,7 @@ def main() -> None:
             prefix: dict[str, dict] = {}
             for name, routing in (("defaults", None), ("round_robin", "round_robin")):
                 deploy(config_args(routing=routing, kv_mib=opts.kv_mib), f"prefix-heavy, {name}")
-                prefix[name] = asyncio.run(prefix_load(url, warm, prompts))
+                prefix[name] = asyncio.run(run_policy(url, prompts, warm))
                 log(f"prefix-heavy, {name}: {prefix[name]}")
                 undeploy()
             ours_p, rr = prefix["defaults"], prefix["round_robin"]
