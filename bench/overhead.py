@@ -3,9 +3,9 @@
     python bench/overhead.py [--ttft-requests 40] [--itl-rounds 10]
 
 Starts (and stops) its own Ray on 127.0.0.1 with the application of `serve_config.yaml`
-(same args, same engine settings), a bare server (`app.standalone` built from the same args,
-under uvicorn, in a subprocess) and a no-op two-deployment Serve stream, then measures with a raw
-streaming HTTP client:
+(same args, same engine settings, speculative decoding off in both: see `main`), a bare
+server (`app.standalone` built from the same args, under uvicorn, in a subprocess) and a
+no-op two-deployment Serve stream, then measures with a raw streaming HTTP client:
 
   ray_floor_ms              TTFB p50 of the no-op stream: HTTP proxy → ingress deployment →
                             a second deployment that yields one item, streamed back (same
@@ -276,6 +276,12 @@ def main() -> None:
         return
 
     args = app_args()
+    # Speculation off in both: bare mode drafts in its own process, Serve through the
+    # DraftReplica, so with it on the two would emit different tokens per chunk and the ITL
+    # comparison would be between two decoders, not about what Serve adds (bench-spec
+    # measures speculation through Serve).
+    engine = args.get("engine", {})
+    args["engine"] = {**engine, "speculative": {**engine.get("speculative", {}), "method": "off"}}
     # Ray gives each replica OMP_NUM_THREADS = max(1, int(num_cpus)); bare mode gets the same.
     threads = os.environ.get("OMP_NUM_THREADS") or str(
         max(1, int(args.get("replica", {}).get("num_cpus", 1)))
