@@ -451,6 +451,8 @@ class LLMEngine:
         speculation policy asks. A proposer that fails, or a draft outside the vocabulary,
         costs speculation only."""
         self._clear_drafts(seqs)
+        if not self.config.speculative.bulk:  # bulk requests never speculate
+            seqs = [s for s in seqs if s.request_class is RequestClass.INTERACTIVE]
         if not seqs:
             return
         if any(s.request_class is RequestClass.INTERACTIVE for s in seqs):

@@ -189,7 +189,8 @@ def test_first_tokens_leave_before_drafting_and_waiting_chats_skip_it() -> None:
     start of the step that verifies them), and a step with an interactive request waiting
     for its first token drafts nothing (TTFT before ITL)."""
     proposer = CountingProposer(DraftModel(tiny_model_dir(), kv_cache_bytes=1 << 20))
-    engine = LLMEngine(spec_config("draft_model", tiny_model_dir()), proposer=proposer)
+    config = spec_config("draft_model", tiny_model_dir(), bulk=True)
+    engine = LLMEngine(config, proposer=proposer)
     engine.add_request(
         make_request("bulk", PROMPTS["b"], greedy(40), request_class=RequestClass.BULK)
     )
@@ -206,7 +207,7 @@ def test_first_tokens_leave_before_drafting_and_waiting_chats_skip_it() -> None:
 
 
 def test_bulk_sequences_go_without_drafts_while_an_interactive_one_decodes() -> None:
-    engine = LLMEngine(spec_config("draft_model", tiny_model_dir()))
+    engine = LLMEngine(spec_config("draft_model", tiny_model_dir(), bulk=True))
     engine.add_request(
         make_request("bulk", PROMPTS["b"], greedy(40), request_class=RequestClass.BULK)
     )
@@ -219,3 +220,17 @@ def test_bulk_sequences_go_without_drafts_while_an_interactive_one_decodes() -> 
     while engine.has_unfinished():
         engine.step()  # the chat ends first (30 tokens): the bulk one speculates again
     assert engine.counters.draft_tokens > chat.num_draft_tokens
+
+
+def test_bulk_requests_get_no_drafts_unless_asked() -> None:
+    engine = LLMEngine(spec_config("draft_model", tiny_model_dir()))
+    engine.add_request(
+        make_request("bulk", PROMPTS["b"], greedy(12), request_class=RequestClass.BULK)
+    )
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.counters.draft_tokens == 0
+    engine.add_request(make_request("chat", PROMPTS["c"], greedy(12)))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.counters.draft_tokens > 0  # interactive ones still speculate
