@@ -10,7 +10,9 @@ host: launch shapes come from tensor shapes and from `max_seqlen_q` / `max_seqle
 The launch, decided once per step and attention shape (`plan_launch`):
 
 * query rows per program `block_m = clamp(next_pow2(max_seqlen_q * group), 16, max_block_m)`
-  (at least the group): decodes get 16-row programs, prefill chunks `max_block_m` rows;
+  (at least the group): decodes get 16-row programs, prefill chunks `max_block_m` rows; 4
+  warps up to 32 rows, else 8; key tiles of 32 (on sm_90, 64-key tiles of head_dim 128 spill
+  registers: see `kernels.triton.compile_check`);
 * split-KV (flash decoding) when every sequence's queries fit in one query tile (decodes and
   short verifications) and the step has fewer (sequence, kv head) programs than
   `target_programs` (default twice the device's SM count): the keys are split in
@@ -59,12 +61,12 @@ class TritonTuning:
     """Tile sizes and the split rule. Defaults are first guesses for an H100, to tune there."""
 
     max_block_m: int = 64  # query rows (tokens x group heads) per program, long queries
-    tile_n: int = 64  # keys per tile; any power of two >= 16, whatever the block size
+    tile_n: int = 32  # keys per tile; any power of two >= 16, whatever the block size
     split_min_keys: int = 512  # fewest keys per split of the step's longest sequence
     max_splits: int = 16
     target_programs: int | None = None  # None: twice the device's SM count
     num_splits: int | None = None  # force a split count (tests, benchmarks); None: the rule
-    num_warps: int = 4
+    num_warps: int | None = None  # None: 4 for up to 32 query rows, else 8
     num_stages: int = 2
 
 
@@ -73,6 +75,7 @@ class LaunchPlan:
     block_m: int  # query rows per program
     block_q: int  # query tokens per program: block_m // group
     num_splits: int
+    num_warps: int
 
 
 def _next_pow2(n: int) -> int:
@@ -94,15 +97,16 @@ def plan_launch(
     block_m = max(16, min(_next_pow2(max_seqlen_q * group), tuning.max_block_m))
     block_m = max(block_m, _next_pow2(group))
     block_q = block_m // group
+    warps = tuning.num_warps or (4 if block_m <= 32 else 8)
     if tuning.num_splits is not None:
-        return LaunchPlan(block_m, block_q, tuning.num_splits)
+        return LaunchPlan(block_m, block_q, tuning.num_splits, warps)
     programs = num_seqs * kv_heads
     splits = 1
     if max_seqlen_q <= block_q and 0 < programs < target_programs:
         splits = min(
             tuning.max_splits, target_programs // programs, max_seqlen_k // tuning.split_min_keys
         )
-    return LaunchPlan(block_m, block_q, max(splits, 1))
+    return LaunchPlan(block_m, block_q, max(splits, 1), warps)
 
 
 @functools.cache
@@ -217,7 +221,7 @@ class TritonPagedBackend(AttentionBackend[TritonState]):
             tile_n=self.tuning.tile_n,
             num_splits=plan.num_splits,
             scratch=scratch,
-            num_warps=self.tuning.num_warps,
+            num_warps=plan.num_warps,
             num_stages=self.tuning.num_stages,
         )
         return out

@@ -17,7 +17,9 @@ lives in block `block_table[seq, j // BLOCK_SIZE]`, row `j % BLOCK_SIZE`, so a t
 its rows from several blocks (or part of one). Row `r` sees keys `j <= context + q_pos(r)`
 (bottom-right causal, `context = L_k - L_q`); the tiles every row sees in full run without a
 score mask, the rest (the diagonal, the sequence's end) with it. Softmax is online, in
-float32 and base 2 (`qk_scale` carries `log2(e)`); rows that see no key give zeros.
+float32 and base 2 (`qk_scale` carries `log2(e)`); rows that see no key give zeros. Cache
+offsets are int32 unless a cache spans 2^31 elements (`WIDE_OFFSETS`): int64 gather pointers
+for a 64-key tile spill registers on sm_90.
 
 Splits (flash decoding). With `NUM_SPLITS > 1`, split `s` takes the `s`-th of `NUM_SPLITS`
 equal runs of the program's key tiles and writes its unnormalised output, running max and sum
@@ -75,6 +77,7 @@ def _attend_tiles(
     TILE_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
 ):
     """Fold key tiles `[tile_lo, tile_hi)` into the online softmax state `(acc, m_i, l_i)`."""
     offs_n = tl.arange(0, TILE_N)
@@ -82,10 +85,10 @@ def _attend_tiles(
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE_N + offs_n
         in_seq = pos < seq_len_k
-        # The tile's rows, gathered through the block table (int64: block * stride overflows
-        # int32 on large caches).
+        # The tile's rows, gathered through the block table.
         block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_bt_col, mask=in_seq, other=0)
-        block = block.to(tl.int64)
+        if WIDE_OFFSETS:
+            block = block.to(tl.int64)
         row = pos % BLOCK_SIZE
         kv_mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
         k_off = block[:, None] * stride_kb + row[:, None] * stride_ks + offs_d[None, :]
@@ -141,6 +144,7 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -185,13 +189,13 @@ def paged_attention_kernel(
         acc, m_i, l_i, q_tile, k_cache, v_cache, table_row, kv_head, last_key,
         lo, tl.minimum(hi, full), seq_len_k, qk_scale,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt_col,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, DOT_PRECISION, WIDE_OFFSETS,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q_tile, k_cache, v_cache, table_row, kv_head, last_key,
         tl.maximum(lo, full), hi, seq_len_k, qk_scale,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt_col,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION, WIDE_OFFSETS,
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -263,6 +267,11 @@ class SplitScratch:
 LOG2E = 1.4426950408889634
 
 
+def _span(t: torch.Tensor) -> int:
+    """One past the largest element offset of `t` from its data pointer."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -279,6 +288,7 @@ def paged_attention(
     scratch: SplitScratch | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    wide_offsets: bool | None = None,
 ) -> None:
     """Attention of the packed `q` (`[num_tokens, num_heads, head_dim]`) over the paged caches,
     written into `out` (same shape). Any token/head/block strides; every last dim contiguous.
@@ -286,7 +296,8 @@ def paged_attention(
     `block_m` (query rows per program, a power of two >= 16 and >= the GQA group) and `tile_n`
     (keys per tile, a power of two >= 16) are the tile sizes; `num_splits > 1` splits every
     program's keys and needs `scratch` sized `[num_tokens, num_heads, num_splits]`. Reads no
-    tensor back to the host.
+    tensor back to the host. `wide_offsets` forces int64 (True) or int32 (False) cache
+    offsets; None picks int64 only for caches that need it.
     """
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
@@ -302,6 +313,9 @@ def paged_attention(
         parts: tuple[torch.Tensor, ...] = (scratch.acc, scratch.max, scratch.sum)
     else:
         parts = (out, out, out)  # never written: the kernel stores to `out` directly
+    wide = wide_offsets
+    if wide is None:
+        wide = max(_span(k_cache), _span(v_cache)) >= 2**31
     grid = (num_tokens // block_q + num_seqs, kv_heads, num_splits)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens_k, block_table, *parts,
@@ -313,6 +327,7 @@ def paged_attention(
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        WIDE_OFFSETS=wide,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:

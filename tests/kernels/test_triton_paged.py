@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 try:
     pytest.importorskip("triton", reason="triton is not installed")
     from kernels import triton_paged
+    from kernels.triton import attention
     from kernels.triton import kv_write as triton_kv_write
     from kernels.triton_paged import LaunchPlan, TritonPagedBackend, TritonTuning, plan_launch
 finally:
@@ -138,7 +139,7 @@ def test_split_rule():
     h100 = dict(num_heads=32, kv_heads=8, tuning=TritonTuning(), target_programs=264)
     # 4 decodes x 8 kv heads = 32 programs on a device that runs 264: split 4 kB contexts in 8
     assert plan_launch(num_seqs=4, max_seqlen_q=1, max_seqlen_k=4096, **h100) == LaunchPlan(
-        16, 4, 8
+        16, 4, 8, num_warps=4
     )
     assert plan_launch(num_seqs=1, max_seqlen_q=1, max_seqlen_k=32768, **h100).num_splits == 16
     # 64 decodes already give 512 programs; short contexts give a split too few keys
@@ -147,7 +148,7 @@ def test_split_rule():
     # verifying 3 drafts still fits one 4-token query tile; a prefill chunk does not
     assert plan_launch(num_seqs=4, max_seqlen_q=4, max_seqlen_k=4096, **h100).num_splits == 8
     prefill = plan_launch(num_seqs=2, max_seqlen_q=512, max_seqlen_k=4096, **h100)
-    assert prefill == LaunchPlan(64, 16, 1)
+    assert prefill == LaunchPlan(64, 16, 1, num_warps=8)
     # a group wider than the default 16 rows widens the decode tile
     wide = {**h100, "num_heads": 64, "kv_heads": 2}
     assert plan_launch(num_seqs=64, max_seqlen_q=1, max_seqlen_k=10, **wide).block_m == 32
@@ -181,6 +182,20 @@ def test_writes_into_out_reuses_the_plan_across_layers_and_reads_strided_q():
         assert got is out
         assert_close(out.cpu(), want)
     assert c.meta.state is state and len(state.launches) == 1
+
+
+def test_int64_cache_offsets_give_the_same_result():
+    # Caches past 2^31 elements take int64 offsets; tiny ones can take them too.
+    case = make_case(LAYOUTS["mixed"], num_heads=4, kv_heads=2, head_dim=16, seed=7)
+    want = forward(TorchReferenceBackend(), copy_case(case), 0.25)
+    c = copy_case(case, DEVICE)
+    write_kv(c.k_new, c.v_new, c.k_cache, c.v_cache, c.meta.slot_mapping)
+    out = torch.empty_like(c.q)
+    attention.paged_attention(
+        c.q, c.k_cache, c.v_cache, out, c.meta.cu_seqlens_q, c.meta.seq_lens_k,
+        c.meta.block_table, scale=0.25, block_m=16, tile_n=16, wide_offsets=True,
+    )  # fmt: skip
+    assert_close(out.cpu(), want)
 
 
 def test_rows_without_visible_keys_are_zero():
