@@ -45,7 +45,7 @@ try:
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels.triton import attention, kv_write
+    from kernels.triton import attention, kv_write, split_kv
 except ImportError as exc:  # the CPU CI has no triton: the backend stays registered, unusable
     TRITON_MISSING: str | None = f"triton is not importable ({exc})"
 else:
@@ -133,7 +133,7 @@ class TritonState(BackendState):
     plain model): its launch plan and, when split, the float32 scratch every layer reuses
     (layers run one after another on one stream)."""
 
-    launches: dict[tuple[int, int, int], tuple[LaunchPlan, attention.SplitScratch | None]] = field(
+    launches: dict[tuple[int, int, int], tuple[LaunchPlan, split_kv.SplitScratch | None]] = field(
         default_factory=dict
     )
 
@@ -228,7 +228,7 @@ class TritonPagedBackend(AttentionBackend[TritonState]):
 
     def _plan(
         self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[LaunchPlan, attention.SplitScratch | None]:
+    ) -> tuple[LaunchPlan, split_kv.SplitScratch | None]:
         num_tokens, num_heads, head_dim = q.shape
         target = self.tuning.target_programs
         if target is None:
@@ -248,7 +248,7 @@ class TritonPagedBackend(AttentionBackend[TritonState]):
         )
         scratch = None
         if plan.num_splits > 1:
-            scratch = attention.SplitScratch.allocate(
+            scratch = split_kv.SplitScratch.allocate(
                 num_tokens, num_heads, head_dim, plan.num_splits, q.device
             )
         return plan, scratch

@@ -23,17 +23,17 @@ for a 64-key tile spill registers on sm_90.
 
 Splits (flash decoding). With `NUM_SPLITS > 1`, split `s` takes the `s`-th of `NUM_SPLITS`
 equal runs of the program's key tiles and writes its unnormalised output, running max and sum
-(float32) to scratch; `combine_splits_kernel` merges them per (token, head). A split with no
-tile writes max -inf and sum 0, which weigh nothing in the merge.
+(float32) to scratch; `kernels.triton.split_kv` merges them per (token, head). A split with
+no tile writes max -inf and sum 0, which weigh nothing in the merge.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton.split_kv import SplitScratch, combine_splits
 
 
 @triton.jit
@@ -210,60 +210,6 @@ def paged_attention_kernel(
         tl.store(part_acc + acc_off, acc, mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
-def combine_splits_kernel(
-    part_acc,
-    part_max,
-    part_sum,
-    out,
-    num_heads,
-    stride_ot,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """One (token, head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_ok = offs_s < NUM_SPLITS
-    d_ok = offs_d < HEAD_DIM
-    part = (token * num_heads + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_max + part, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(part_sum + part, mask=s_ok, other=0.0)
-    acc_off = part[:, None] * HEAD_DIM + offs_d[None, :]
-    acc = tl.load(part_acc + acc_off, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    m_all = tl.max(m, 0)
-    w = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
-    den = tl.sum(w * l_s, 0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
-    tl.store(out + token * stride_ot + head * stride_oh + offs_d, o.to(out.dtype.element_ty), d_ok)
-
-
-@dataclass(slots=True)
-class SplitScratch:
-    """Float32 partial results of a split launch, `[num_tokens, num_heads, splits(, d)]`."""
-
-    acc: torch.Tensor
-    max: torch.Tensor
-    sum: torch.Tensor
-
-    @classmethod
-    def allocate(
-        cls, num_tokens: int, num_heads: int, head_dim: int, splits: int, device: torch.device
-    ) -> SplitScratch:
-        shape = (num_tokens, num_heads, splits)
-        f32 = torch.float32
-        return cls(
-            torch.empty((*shape, head_dim), dtype=f32, device=device),
-            torch.empty(shape, dtype=f32, device=device),
-            torch.empty(shape, dtype=f32, device=device),
-        )
-
-
 LOG2E = 1.4426950408889634
 
 
@@ -331,8 +277,5 @@ def paged_attention(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        combine_splits_kernel[(num_tokens, num_heads)](
-            *parts, out, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        )  # fmt: skip
+        assert scratch is not None
+        combine_splits(scratch, out)

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton import attention, kv_write
+from kernels.triton import attention, kv_write, split_kv
 from kernels.triton_paged import TritonTuning, plan_launch
 
 _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -99,7 +99,7 @@ def combine_usage(*, dtype: str, head_dim: int, num_splits: int, arch: int = 90)
     constants = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
                      NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad)  # fmt: skip
     name = f"combine {dtype} d={head_dim} splits={num_splits}"
-    return _compile(attention.combine_splits_kernel, types, constants, name=name, arch=arch)
+    return _compile(split_kv.combine_splits_kernel, types, constants, name=name, arch=arch)
 
 
 def kv_write_usage(*, dtype: str, kv_heads: int, head_dim: int, arch: int = 90) -> Usage:
