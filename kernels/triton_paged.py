@@ -22,12 +22,13 @@ The launch, decided once per step and attention shape (`plan_launch`):
   lengths (each program splits its own keys), so a CUDA graph may freeze the count it was
   captured with; only speed depends on it.
 
-Where it runs: CUDA, float16 / bfloat16 / float32 (float32 dots in IEEE precision, not TF32),
-head_dim a multiple of 16 up to 128, any block size. On CPU only under Triton's interpreter,
-for tests: `TRITON_INTERPRET=1` must be set now and must have been set when the kernels were
-imported, as when triton itself was first imported (a `@triton.jit` function keeps the mode
-it was decorated in); float16 and float32 only (the interpreter computes bfloat16 dots on raw
-bits). Without triton the module still imports and `why_not` says so.
+Where it runs: CUDA (compute capability 8.0+), float16 / bfloat16 / float32 (float32 dots in
+IEEE precision, not TF32), head_dim a multiple of 16 up to 128, any block size. On CPU only
+under Triton's interpreter, for tests: `TRITON_INTERPRET=1` must be set now and must have
+been set when the kernels were imported, as when triton itself was first imported (a
+`@triton.jit` function keeps the mode it was decorated in); float16 and float32 only (the
+interpreter computes bfloat16 dots on raw bits). Without triton the module still imports
+and `why_not` says so.
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ class TritonPagedBackend(AttentionBackend[TritonState]):
     """Paged attention for mixed steps in Triton; see the module docstring for the rules."""
 
     name = "triton_paged"
-    supports_graphs: ClassVar[bool] = False  # the kernels are graph-safe; the hooks are not done
+    # The launches depend on shapes only (tests/gpu replays one in a CUDA graph), but the
+    # capture hooks are not written yet.
+    supports_graphs: ClassVar[bool] = False
     state_type: type[TritonState] = TritonState
 
     def __init__(self, tuning: TritonTuning | None = None):
@@ -163,6 +166,8 @@ class TritonPagedBackend(AttentionBackend[TritonState]):
                 return "CUDA is not available"
             if interpreted():
                 return "the Triton kernels were built for the interpreter (TRITON_INTERPRET=1)"
+            if torch.cuda.get_device_capability(device) < (8, 0):
+                return "the GPU is older than compute capability 8.0 (untested there)"
         elif device.type == "cpu":
             if not (triton.knobs.runtime.interpret and interpreted()):
                 return "device cpu is not CUDA (Triton runs on CPU only under TRITON_INTERPRET=1)"
