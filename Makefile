@@ -20,12 +20,14 @@ browser:
 	    echo "no chromium: run 'apt-get install chromium chromium-driver' as root for the browser tests"; \
 	  fi; }
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_GPU),)
-	# CPU machine: the local CPU build of torch (any other pulls gigabytes of CUDA packages).
-	$(PY) -m pip install -q torch==2.13.0
+	# CPU machine: the local CPU build of torch (any other pulls gigabytes of CUDA packages),
+	# and Triton for the interpreter parity tests of our GPU kernels (tests/kernels; no CUDA
+	# packages; a GPU machine uses the Triton its CUDA torch pins).
+	$(PY) -m pip install -q torch==2.13.0 triton==3.9.0
 endif
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@

@@ -8,12 +8,18 @@ itself lazily at the first launch). So this module sets it while it imports trit
 session's first import of triton) and again around each of its tests, and restores it
 otherwise: the registry never picks the interpreter for other modules' tests. With CUDA the
 same tests run the compiled kernels on the GPU. Skipped when triton is not installed.
+
+In a whole-suite run on CPU, something else (transformers' modeling code, imported by the
+engine tests) imports triton first, outside the interpreter, and then these kernels cannot
+run here: this module is then skipped, and `test_triton_interpreter.py` runs it in a fresh
+process of its own.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -22,6 +28,20 @@ from kernels.kv_write import write_kv
 from kernels.reference import TorchReferenceBackend
 from kernels.registry import select_backend
 from tests.kernels.helpers import PagedCase, copy_case, dense_attention, forward, make_case
+
+
+def _interpreted() -> bool:
+    """Whether the triton already imported here runs its kernels in the interpreter."""
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    return interpreter is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if not torch.cuda.is_available() and "triton" in sys.modules and not _interpreted():
+    pytest.skip(
+        "triton was imported outside the interpreter in this process: "
+        "test_triton_interpreter.py runs this module in a fresh one",
+        allow_module_level=True,
+    )
 
 _saved = os.environ.get("TRITON_INTERPRET")
 if not torch.cuda.is_available():
