@@ -1,7 +1,8 @@
 """The synchronous engine core: one `step()` = propose, schedule, execute, sample/verify,
 append, update, emit. Drafts are proposed at the start of the step that verifies them (for
 the sequences the previous step left decoding), so a step's deltas, the first token above
-all, are returned before the draft model runs.
+all, are returned before the draft model runs. Which sequences get drafts, and what
+verification made of them, is `engine.spec.speculation.Speculation`'s.
 
 Not thread-safe: exactly one thread calls `add_request`, `abort` and `step` (the AsyncEngine
 runs all three on its single engine thread). Deltas are produced only for sequences that
@@ -37,35 +38,15 @@ from engine.sample.sampler import Sampler, SampleResult
 from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec.policy import (
-    MAX_SPEC_TOKENS,
-    DraftObservation,
-    SpeculationPolicy,
-    StepObservation,
-    Verified,
-)
-from engine.spec.proposer import Draft, NoopProposer, Proposer
-from engine.stats import SpecStats, TTFTWindow
+from engine.spec.policy import MAX_SPEC_TOKENS, SpeculationPolicy
+from engine.spec.proposer import NoopProposer, Proposer
+from engine.spec.speculation import Speculation, clear_drafts
+from engine.stats import EngineCounters, SpecStats, TTFTWindow
 from engine.structured.compiler import start_compiler
 from engine.structured.masks import GrammarStates, TokenMask
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    steps: int = 0
-    generated_tokens: int = 0
-    aborted: int = 0
-    failed: int = 0  # requests ended with finish reason "error"
-    num_drafts: int = 0  # sequence-steps that carried drafts
-    draft_tokens: int = 0  # drafts verified
-    accepted_tokens: int = 0  # of those, kept by verification (before any stop cuts the run)
-    # accepted_per_pos[j]: drafts accepted at position j (the j+1-th draft of a run)
-    accepted_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_SPEC_TOKENS)
-    propose_seconds: float = 0.0  # wall time in the proposer
-    verify_seconds: float = 0.0  # wall time of steps that verified drafts
 
 
 @dataclass(slots=True)
@@ -125,17 +106,19 @@ class LLMEngine:
         if proposer is None:
             proposer = build_proposer(config, resolve_model, info.vocab_size)
         self.proposer: Proposer = proposer
-        self.speculating = not isinstance(proposer, NoopProposer)
-        if spec_policy is None and self.speculating:
-            spec_policy = build_policy(config.speculative)
-        self.spec_policy = spec_policy
+        self.counters = EngineCounters()
+        self.spec: Speculation | None = None  # None: no proposer, no speculation
+        if not isinstance(proposer, NoopProposer):
+            policy = spec_policy or build_policy(config.speculative)
+            self.spec = Speculation(
+                config.speculative, proposer, policy, self.counters, info.vocab_size
+            )
         self._to_propose: list[Sequence] = []
         # The grammar compiler is built in the background from now; the per-request state
         # with the first constrained request.
         self._compiler = start_compiler(self.tokenizer, info.vocab_size, self.eos_token_ids)
         self._grammars: GrammarStates | None = None
         self._forced: set[str] = set()  # requests whose drafts are grammar-forced tokens
-        self.counters = EngineCounters()
         self.ttft = TTFTWindow()  # per class, for the autoscaler (EngineStats.ttft_p95_*)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # only requests that carry one
@@ -206,13 +189,15 @@ class LLMEngine:
 
     def step(self) -> list[TokenDelta]:
         if self._to_propose:  # drafts for the sequences the last step left decoding
+            assert self.spec is not None
             seqs, self._to_propose = self._to_propose, []
             if self.scheduler.waiting[RequestClass.INTERACTIVE]:
                 # An interactive request waits for its first token: a plain step gets it
                 # there sooner than drafting and verifying first (TTFT before ITL).
-                self._clear_drafts(seqs)
+                clear_drafts(seqs)
             else:
-                self._propose([s for s in seqs if s.status is SequenceStatus.RUNNING])
+                running = [s for s in seqs if s.status is SequenceStatus.RUNNING]
+                self.spec.propose(running, self.scheduler)
         started = time.perf_counter()
         expired = self._expire_deadlines() if self._deadlines else []
         out = self.scheduler.schedule()
@@ -229,8 +214,8 @@ class LLMEngine:
         self.scheduler.update(out, self._num_accepted(chunks, news))
         self.counters.steps += 1
         deltas = [self._emit(n) for n in news]
-        if self.speculating:
-            self._observe(out, chunks, results, time.perf_counter() - started)
+        if self.spec is not None:
+            self.spec.observe(out, chunks, results, time.perf_counter() - started, self._forced)
             # Proposed at the start of the next step, so these deltas (a first token above
             # all) leave before the draft model runs.
             self._to_propose = [
@@ -349,8 +334,8 @@ class LLMEngine:
         seq.token_ids.extend(tokens)
         self.counters.generated_tokens += len(tokens)
         forced = seq.request_id in self._forced
-        if chunk.spec_token_ids and not forced:
-            self._count_drafts(seq, len(chunk.spec_token_ids), result.num_accepted)
+        if chunk.spec_token_ids and not forced and self.spec is not None:
+            self.spec.count(seq, len(chunk.spec_token_ids), result.num_accepted)
         if self._grammars is not None and seq.request_id in self._grammars:
             self._force_drafts(seq, finished=reason is not None)
         if seq.timings.first_token is None:
@@ -416,88 +401,6 @@ class LLMEngine:
             self._forget(new.seq.request_id)
         return new
 
-    def _count_drafts(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        c = self.counters
-        c.num_drafts += 1
-        c.draft_tokens += proposed
-        c.accepted_tokens += accepted
-        for j in range(min(accepted, MAX_SPEC_TOKENS)):
-            c.accepted_per_pos[j] += 1
-        seq.num_draft_tokens += proposed
-        seq.num_accepted_tokens += accepted
-
-    def _observe(
-        self,
-        out: SchedulerOutput,
-        chunks: list[ScheduledChunk],
-        results: list[SampleResult | str],
-        seconds: float,
-    ) -> None:
-        """Tell the speculation policy what this step cost and what verification kept."""
-        verified = [
-            Verified(c.seq.request_id, len(c.spec_token_ids), r.num_accepted)
-            for c, r in zip(chunks, results, strict=True)
-            if c.spec_token_ids and not isinstance(r, str) and c.seq.request_id not in self._forced
-        ]
-        if verified:
-            self.counters.verify_seconds += seconds
-        assert self.spec_policy is not None
-        self.spec_policy.observe_step(
-            StepObservation(len(chunks), out.num_batched_tokens, seconds, verified)
-        )
-
-    def _propose(self, seqs: list[Sequence]) -> None:
-        """Replace the drafts of `seqs` (about to decode) with the proposer's, as many as the
-        speculation policy asks. A proposer that fails, or a draft outside the vocabulary,
-        costs speculation only."""
-        self._clear_drafts(seqs)
-        if not self.config.speculative.bulk:  # bulk requests never speculate
-            seqs = [s for s in seqs if s.request_class is RequestClass.INTERACTIVE]
-        if not seqs:
-            return
-        if any(s.request_class is RequestClass.INTERACTIVE for s in seqs):
-            # Drafting and verifying bulk sequences lengthens every step an interactive one
-            # shares: while any interactive request decodes, bulk ones go without drafts.
-            seqs = [s for s in seqs if s.request_class is RequestClass.INTERACTIVE]
-        assert self.spec_policy is not None
-        wanted = self.spec_policy.num_tokens(seqs)
-        asked = [s for s in seqs if wanted.get(s.request_id, 0) > 0]
-        if not asked:
-            return
-        started = time.perf_counter()
-        try:
-            drafts = self.proposer.propose(asked, wanted)
-        except Exception:
-            logger.exception("the proposer failed; decoding without drafts this step")
-            drafts = {}
-        seconds = time.perf_counter() - started
-        self.counters.propose_seconds += seconds
-        self.spec_policy.observe_draft(
-            DraftObservation(len(asked), max(wanted[s.request_id] for s in asked), seconds)
-        )
-        vocab = self.runner.info.vocab_size
-        for request_id, draft in drafts.items():
-            target = self.scheduler.get(request_id)
-            if target is None or target.status is not SequenceStatus.RUNNING:
-                continue
-            k = wanted.get(request_id, 0)
-            if len(draft.token_ids) > k:
-                draft = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
-            if not draft.token_ids or not all(0 <= t < vocab for t in draft.token_ids):
-                continue
-            if draft.probs is not None and tuple(draft.probs.shape) != (
-                len(draft.token_ids),
-                vocab,
-            ):
-                continue
-            target.spec_token_ids, target.spec_probs = list(draft.token_ids), draft.probs
-
-    @staticmethod
-    def _clear_drafts(seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            if seq.spec_token_ids:
-                seq.spec_token_ids, seq.spec_probs = [], None
-
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
         self._deadlines.pop(request_id, None)
@@ -505,13 +408,8 @@ class LLMEngine:
         if self._grammars is not None:
             self._grammars.forget(request_id)
             self._forced.discard(request_id)
-        if self.speculating:
-            assert self.spec_policy is not None
-            self.spec_policy.forget(request_id)
-            try:
-                self.proposer.forget(request_id)
-            except Exception:
-                logger.exception("the proposer failed to forget %s", request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     @staticmethod
     def _delta(
@@ -539,18 +437,7 @@ class LLMEngine:
 
     def spec_stats(self) -> SpecStats | None:
         """Speculative decoding counters; None when the engine does not speculate."""
-        if not self.speculating:
-            return None
-        c = self.counters
-        return SpecStats(
-            num_drafts=c.num_drafts,
-            num_draft_tokens=c.draft_tokens,
-            num_accepted_tokens=c.accepted_tokens,
-            accepted_per_pos=tuple(c.accepted_per_pos),
-            propose_seconds=c.propose_seconds,
-            verify_seconds=c.verify_seconds,
-            proposer_up=int(getattr(self.proposer, "available", True)),
-        )
+        return self.spec.stats() if self.spec is not None else None
 
 
 def _draft_probs(chunk: ScheduledChunk) -> torch.Tensor | None:

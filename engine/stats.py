@@ -14,9 +14,29 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.request import RequestClass
+
+MAX_SPEC_TOKENS = 8  # the most drafts one sequence carries into a step
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """What one engine counted since it started (engine thread only; `EngineStats` and
+    `SpecStats` are built from it)."""
+
+    steps: int = 0
+    generated_tokens: int = 0
+    aborted: int = 0
+    failed: int = 0  # requests ended with finish reason "error"
+    num_drafts: int = 0  # sequence-steps that carried drafts
+    draft_tokens: int = 0  # drafts verified
+    accepted_tokens: int = 0  # of those, kept by verification (before any stop cuts the run)
+    # accepted_per_pos[j]: drafts accepted at position j (the j+1-th draft of a run)
+    accepted_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_SPEC_TOKENS)
+    propose_seconds: float = 0.0  # wall time in the proposer
+    verify_seconds: float = 0.0  # wall time of steps that verified drafts
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,9 +19,8 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
+from engine.stats import MAX_SPEC_TOKENS
 from policies.base import Policy
-
-MAX_SPEC_TOKENS = 8
 
 
 @dataclass(slots=True, frozen=True)
