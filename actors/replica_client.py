@@ -140,20 +140,20 @@ class ReplicaClient:
         if channel is not None:
             await channel.stop()
 
-    async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
+        if self._channel is not None:
+            return self._via_channel(request, self._channel)
+        return self._via_stream(request)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, request: Request) -> AsyncIterator[None]:
+        """The early admission check, then (bulk) a place at the gate, held until the request
+        ends."""
         if self._admit is not None:
             self._admit(request)
         gated = self.gate is not None and await self.gate.acquire(request.request_class)
         try:
-            if self._channel is not None:
-                stream = self._via_channel(request, self._channel)
-            else:
-                stream = self._via_stream(request)
-            try:
-                async for delta in stream:
-                    yield delta
-            finally:
-                await stream.aclose()
+            yield
         finally:
             if gated:
                 assert self.gate is not None
@@ -162,30 +162,31 @@ class ReplicaClient:
     async def _via_channel(
         self, request: Request, channel: ChannelServer
     ) -> AsyncIterator[TokenDelta]:
-        rid = request.request_id
-        inbox = channel.open(rid)
-        assert self._unary is not None and channel.address is not None
-        with own_serve_request_id():
-            response = self._unary.stream_to.remote(request, channel.address)
-        self._inflight[rid] = response
-        call = asyncio.ensure_future(_outcome(response, self._backpressure_retry_s(request)))
-        call.add_done_callback(functools.partial(self._call_done, inbox, rid))
-        finished = False
-        try:
-            while True:
-                delta = await inbox.get()
-                finished = delta.finish_reason is not None
-                yield delta
-                if finished:
-                    return
-        finally:
-            self._inflight.pop(rid, None)
-            channel.close(rid)
-            if not finished and not call.done():
-                # The replica sees CancelledError and aborts the request. Serve's cancel()
-                # re-raises a failed assignment's error (e.g. BackPressureError): not ours.
-                with contextlib.suppress(Exception):
-                    response.cancel()
+        async with self._admitted(request):
+            rid = request.request_id
+            inbox = channel.open(rid)
+            assert self._unary is not None and channel.address is not None
+            with own_serve_request_id():
+                response = self._unary.stream_to.remote(request, channel.address)
+            self._inflight[rid] = response
+            call = asyncio.ensure_future(_outcome(response, self._backpressure_retry_s(request)))
+            call.add_done_callback(functools.partial(self._call_done, inbox, rid))
+            finished = False
+            try:
+                while True:
+                    delta = await inbox.get()
+                    finished = delta.finish_reason is not None
+                    yield delta
+                    if finished:
+                        return
+            finally:
+                self._inflight.pop(rid, None)
+                channel.close(rid)
+                if not finished and not call.done():
+                    # The replica sees CancelledError and aborts the request. Serve's cancel()
+                    # re-raises a failed assignment's error (e.g. BackPressureError): not ours.
+                    with contextlib.suppress(Exception):
+                        response.cancel()
 
     def _call_done(self, inbox: TokenInbox, rid: str, call: asyncio.Future[Any]) -> None:
         if call.cancelled():
@@ -203,28 +204,29 @@ class ReplicaClient:
             )
 
     async def _via_stream(self, request: Request) -> AsyncIterator[TokenDelta]:
-        with own_serve_request_id():
-            response = self._stream.generate.remote(request)
-        rid = request.request_id
-        self._inflight[rid] = response
-        finished = False
-        try:
-            async for item in response:
-                if isinstance(item, ReplicaError):
-                    finished = True  # the replica's call is over: nothing to cancel
-                    raise item.exception()
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
-            raise RuntimeError(f"replica stream of {rid} ended before its last delta")
-        except Exception as exc:
-            raise _translate(exc, self._backpressure_retry_s(request)) from None
-        finally:
-            self._inflight.pop(rid, None)
-            if not finished:
-                with contextlib.suppress(Exception):
-                    response.cancel()
+        async with self._admitted(request):
+            with own_serve_request_id():
+                response = self._stream.generate.remote(request)
+            rid = request.request_id
+            self._inflight[rid] = response
+            finished = False
+            try:
+                async for item in response:
+                    if isinstance(item, ReplicaError):
+                        finished = True  # the replica's call is over: nothing to cancel
+                        raise item.exception()
+                    finished = item.finish_reason is not None
+                    yield item
+                    if finished:
+                        return
+                raise RuntimeError(f"replica stream of {rid} ended before its last delta")
+            except Exception as exc:
+                raise _translate(exc, self._backpressure_retry_s(request)) from None
+            finally:
+                self._inflight.pop(rid, None)
+                if not finished:
+                    with contextlib.suppress(Exception):
+                        response.cancel()
 
     async def abort(self, request_id: str) -> None:
         response = self._inflight.get(request_id)

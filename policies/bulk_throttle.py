@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Callable, Mapping
 
 from engine.stats import EngineStats
@@ -73,7 +74,7 @@ class RecentMax:
     def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self.clock = clock
-        self._samples: list[tuple[float, int]] = []  # (time, value), values decreasing
+        self._samples: deque[tuple[float, int]] = deque()  # (time, value), values decreasing
 
     def note(self, value: int) -> int:
         """Record `value` now; returns the max over the window."""
@@ -83,7 +84,7 @@ class RecentMax:
             samples.pop()
         samples.append((now, value))
         while samples[0][0] < now - self.window_s:
-            samples.pop(0)
+            samples.popleft()
         return samples[0][1]
 
 
