@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
+from app.metric_snapshot import Snapshot, unlabelled
 from engine.errors import QueueFull
 from engine.request import RequestClass
 from engine.stats import EngineStats
@@ -50,6 +51,24 @@ class BulkGate:
         self._waiting: deque[asyncio.Event] = deque()  # one per waiting request, in order
         self.num_waited = 0  # requests that had to wait (cumulative)
         self.num_refused = 0
+
+    def snapshot(self) -> Snapshot:
+        """The gate as metric families (in the caller's `/metrics`)."""
+        return {
+            "firstlight_bulk_gate_in_flight": unlabelled(
+                "gauge", "Bulk requests past the gate, not yet ended.", self.in_flight
+            ),
+            "firstlight_bulk_gate_waiting": unlabelled(
+                "gauge", "Bulk requests waiting for spare capacity.", len(self._waiting)
+            ),
+            "firstlight_bulk_gate_waited": unlabelled(
+                "counter", "Bulk requests that had to wait for spare capacity.", self.num_waited
+            ),
+            "firstlight_bulk_gate_refused": unlabelled(
+                "counter", "Bulk requests refused (429) for want of spare capacity.",
+                self.num_refused,
+            ),
+        }  # fmt: skip
 
     def room(self) -> int:
         """How many more bulk requests this caller may send now."""

@@ -86,8 +86,11 @@ class Ingress:
         return _SendBacklog(app)
 
     def _own_metrics(self) -> Snapshot:
-        """What this ingress pushes to the control plane: its HTTP metrics and channel's."""
-        return merge_snapshots(self.metrics.snapshot(), self._channel_metrics())
+        """What this ingress pushes to the control plane: its HTTP metrics, its channel's and
+        its bulk gate's."""
+        return merge_snapshots(
+            self.metrics.snapshot(), self._channel_metrics(), self.gate.snapshot()
+        )
 
     def _channel_metrics(self) -> Snapshot:
         channel = self.client.channel

@@ -69,7 +69,6 @@ class PolicyRequestRouter(RequestRouter):
         self._model = model
         self._sketch_sync_s = sketch_sync_s
         self._follower: threading.Thread | None = None
-        self._stopped = threading.Event()
 
     def _follow_sketches(self, control_plane: str, loop: asyncio.AbstractEventLoop) -> None:
         """Keep `index` current, on a thread of its own: a Serve handle cannot be created on
@@ -79,7 +78,7 @@ class PolicyRequestRouter(RequestRouter):
         app = router_app_name(self) or deployment_name()[0]
         timeout_s = max(1.0, 4 * self._sketch_sync_s)
         handle = None
-        while not self._stopped.is_set():
+        while True:
             try:
                 if handle is None:
                     handle = serve.get_deployment_handle(control_plane, app_name=app)
@@ -90,7 +89,7 @@ class PolicyRequestRouter(RequestRouter):
                 )
             except Exception as exc:
                 logger.debug("prefix sketch sync failed: %r", exc)
-            self._stopped.wait(self._sketch_sync_s)
+            time.sleep(self._sketch_sync_s)
 
     async def _have(self) -> dict[str, tuple[int, int]]:
         return self.index.have()

@@ -201,6 +201,11 @@ def engine_snapshot(stats: EngineStats, labels: Mapping[str, str]) -> Snapshot:
     return {PREFIX + name: family for name, family in families.items()}
 
 
+def unlabelled(kind: str, doc: str, value: float) -> dict[str, Any]:
+    """A counter or gauge family with one series and no labels."""
+    return _family(kind, doc, [], [([], float(value))])
+
+
 COLD_START_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.batch.store import BatchRow, BatchStore, new_id
-from app.metric_snapshot import Snapshot
+from app.metric_snapshot import Snapshot, unlabelled
 from app.openai.complete import complete
 from app.openai.errors import APIError, to_api_error
 from app.openai.prepare import OpenAILayer
@@ -64,11 +64,7 @@ class BatchRunner:
 
     def snapshot(self) -> Snapshot:
         """Progress as metric families (merged into `/metrics` like any process's)."""
-
-        def family(kind: str, doc: str, value: float) -> dict[str, Any]:
-            return {"type": kind, "help": doc, "labels": [], "series": [
-                {"labels": [], "value": float(value)}]}  # fmt: skip
-
+        family = unlabelled
         active = sum(1 for t in self._running.values() if not t.done())
         return {
             "firstlight_batch_lines_run": family(

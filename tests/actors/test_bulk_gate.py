@@ -75,6 +75,10 @@ async def test_waiting_is_bounded_in_time_and_in_number():
     with pytest.raises(QueueFull, match="within"):
         await late
     assert gate.num_refused == 2 and not gate._waiting
+    families = gate.snapshot()
+    assert families["firstlight_bulk_gate_refused"]["series"][0]["value"] == 2
+    assert families["firstlight_bulk_gate_waited"]["series"][0]["value"] == 1
+    assert families["firstlight_bulk_gate_in_flight"]["series"][0]["value"] == 1
 
 
 async def test_waiters_pass_in_arrival_order():
