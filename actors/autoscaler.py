@@ -35,6 +35,7 @@ ONGOING = "ongoing"
 KV_USAGE = "kv_usage"
 TTFT_P95_INTERACTIVE = "ttft_p95_interactive_s"
 TTFT_P95_BULK = "ttft_p95_bulk_s"
+METRICS = (ONGOING, KV_USAGE, TTFT_P95_INTERACTIVE, TTFT_P95_BULK)
 MAX_DECISIONS = 8  # scale-up decisions kept per deployment
 
 
@@ -73,18 +74,14 @@ def signals_from(ctx: Any, now: float) -> ScalingSignals:
     raw: Mapping[str, Mapping[Any, list[Any]]] = ctx.raw_metrics or {}
     replicas: list[ReplicaSignals] = []
     for rid in ctx.running_replicas:
-        series = {name: raw.get(name, {}).get(rid) for name in (ONGOING, KV_USAGE)}
-        if not all(series.values()):
+        newest = {name: (raw.get(name, {}).get(rid) or [None])[-1] for name in METRICS}
+        ongoing, kv_usage = newest[ONGOING], newest[KV_USAGE]
+        if ongoing is None or kv_usage is None:
             continue  # it has not reported yet
-        newest = {
-            name: raw.get(name, {}).get(rid, [None])[-1]
-            for name in (ONGOING, KV_USAGE, TTFT_P95_INTERACTIVE, TTFT_P95_BULK)
-        }
-        ongoing = newest[ONGOING]
         replicas.append(
             ReplicaSignals(
                 ongoing=ongoing.value,
-                kv_usage=newest[KV_USAGE].value,
+                kv_usage=kv_usage.value,
                 ttft_p95_interactive_s=_known(newest[TTFT_P95_INTERACTIVE]),
                 ttft_p95_bulk_s=_known(newest[TTFT_P95_BULK]),
                 age_s=max(0.0, now - ongoing.timestamp),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import (
@@ -82,11 +82,14 @@ class PolicySettings(BaseModel):
     autoscaling: str = "slo"
     autoscaling_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
-    def options(self, family: str) -> dict[str, Any]:
-        """The options of the policy chosen for `family` ("routing", "bulk_throttle",
-        "autoscaling")."""
-        chosen = getattr(self, family)
-        return dict(getattr(self, f"{family}_options").get(chosen, {}))
+    def options(self, family: Literal["routing", "bulk_throttle", "autoscaling"]) -> dict[str, Any]:
+        """A copy of the options of the policy chosen for `family`."""
+        chosen, options = {
+            "routing": (self.routing, self.routing_options),
+            "bulk_throttle": (self.bulk_throttle, self.bulk_throttle_options),
+            "autoscaling": (self.autoscaling, self.autoscaling_options),
+        }[family]
+        return dict(options.get(chosen, {}))
 
 
 class Settings(BaseSettings):
