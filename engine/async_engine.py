@@ -131,6 +131,7 @@ class AsyncEngine:
         self._untaken = ClassCounts()
         self.num_cancelled = 0
         self.num_stalled = 0
+        self.num_requests = ClassCounts()  # attached, per class (EngineStats.num_requests)
         # Wall-clock time a reader was first handed a delta (a replica clears it after its
         # warm-up request, so it dates the first token served: cold-start timing).
         self.first_delta_at: float | None = None
@@ -227,6 +228,7 @@ class AsyncEngine:
             raise InvalidRequest("request_id", f"request id {rid!r} is already running")
         self.admission.check(request.request_class, self.num_waiting_by_class)
         self._slots[rid] = slot
+        self.num_requests = self.num_requests.plus(request.request_class, 1)
         self._untaken = self._untaken.plus(request.request_class, 1)
         self._submit(add=request)
 
@@ -291,6 +293,7 @@ class AsyncEngine:
             generation_tokens=counters.generated_tokens,
             num_cancelled=self.num_cancelled,
             num_reader_stalls=self.num_stalled,
+            num_requests=self.num_requests,
             spec=self.engine.spec_stats(),
             ttft_p95_interactive_s=self.engine.ttft.p95(RequestClass.INTERACTIVE),
             ttft_p95_bulk_s=self.engine.ttft.p95(RequestClass.BULK),

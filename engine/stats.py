@@ -140,6 +140,9 @@ class EngineStats:
     generation_tokens: int = 0
     num_cancelled: int = 0  # readers that left before the end
     num_reader_stalls: int = 0  # streams cut because their reader stalled
+    # requests taken in, per class: a replica that served chat between two looks at its
+    # stats shows it here, where the running/waiting gauges of one moment may miss it
+    num_requests: ClassCounts = ClassCounts()
     spec: SpecStats | None = None  # None: the engine does not speculate
     # TTFT p95 in the engine (arrival to first token) over the last `TTFTWindow.window_s`;
     # None: no first token of that class in the window
@@ -177,6 +180,7 @@ def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
         generation_tokens=sum(p.generation_tokens for p in parts),
         num_cancelled=sum(p.num_cancelled for p in parts),
         num_reader_stalls=sum(p.num_reader_stalls for p in parts),
+        num_requests=sum((p.num_requests for p in parts), ClassCounts()),
         spec=sum(specs[1:], specs[0]) if specs else None,
         ttft_p95_interactive_s=_worst(p.ttft_p95_interactive_s for p in parts),
         ttft_p95_bulk_s=_worst(p.ttft_p95_bulk_s for p in parts),

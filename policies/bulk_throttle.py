@@ -11,9 +11,10 @@ The allowance is per replica (`allowances`), so class-aware routing can send bul
 seats are lent, and summed for the cluster (`allowance`).
 
 `spare_capacity` (the default): a replica with no interactive request lends bulk all its
-seats; one serving interactive requests, or that served some within `hold_s` (chats are
-short, so a snapshot that shows none does not mean the chat load has stopped), lends at most
-`busy_share` of its seats, and never a seat interactive requests hold. At least one bulk
+seats; one serving interactive requests, or that took some in within `hold_s` (chats are
+short, so a snapshot that shows none running does not mean the chat load has stopped: the
+replica's count of interactive requests taken in tells), lends at most `busy_share` of its
+seats, and never a seat interactive requests hold. At least one bulk
 request may always run, so bulk always moves.
 
 `unlimited`: no throttle (bulk is bounded only by each engine's own admission).
@@ -104,18 +105,23 @@ class SpareCapacity(BulkThrottle):
         self.hold_s = hold_s
         self._clock = clock
         self._last_interactive: dict[str, float] = {}  # replica id → when last seen serving
+        self._taken: dict[str, int] = {}  # replica id → its interactive requests taken in
 
     def allowances(self, replicas: Mapping[str, EngineStats]) -> dict[str, int]:
         now = self._clock()
         seen = self._last_interactive
-        for rid in [rid for rid in seen if rid not in replicas]:
-            del seen[rid]
+        taken = self._taken
+        for rid in [rid for rid in taken if rid not in replicas]:
+            seen.pop(rid, None)
+            del taken[rid]
         out: dict[str, int] = {}
         for rid, stats in replicas.items():
             seats = stats.admission.max_running
             interactive = stats.running.interactive + stats.waiting.interactive
-            if interactive:
+            count = stats.num_requests.interactive
+            if interactive or taken.get(rid, count) != count:
                 seen[rid] = now
+            taken[rid] = count
             if interactive == 0 and now - seen.get(rid, float("-inf")) >= self.hold_s:
                 out[rid] = seats
             else:

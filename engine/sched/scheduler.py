@@ -13,8 +13,10 @@ over the running and waiting sequences merged in key order, in one token budget:
                (then it is preempted and gets nothing this step)
     waiting    is admitted with its first chunk while seats, budget and blocks last; it may
                preempt running sequences with worse keys, worst first, but only when all
-               of their blocks would make room. One that is not admitted closes its line:
-               nothing ranked after it in that line is admitted this step
+               of their blocks would make room. Short of a seat, an interactive one
+               preempts running bulk with worse keys beyond bulk's seat share (class-aware
+               orders). One that is not admitted closes its line: nothing ranked after it
+               in that line is admitted this step
 
 A class-aware order (`priority`, `deadline`) gives each request class a line of its own and
 keeps bulk's reserve: `bulk_min_share` of the budget, capped at the bulk work that exists, is
@@ -310,7 +312,10 @@ class Scheduler:
         room = step.budget - (step.bulk_tokens if interactive else 0)
         seats = self.config.max_num_seqs - (step.bulk_seats if interactive else 0)
         lost = step.floor.get(cls)
-        if (lost is not None and seq.order_key >= lost) or self.num_running >= seats or room <= 0:
+        if (lost is not None and seq.order_key >= lost) or room <= 0:
+            step.closed.update(self._line(cls))
+            return
+        if self.num_running >= seats and not (interactive and self._free_seat(seq, seats, step)):
             step.closed.update(self._line(cls))
             return
         cached = self.kv.get_computed_blocks(seq)
@@ -333,6 +338,21 @@ class Scheduler:
         if not interactive:
             step.bulk_seats = max(0, step.bulk_seats - 1)
         step.add(seq, n)
+
+    def _free_seat(self, seq: Sequence, seats: int, step: _Step) -> bool:
+        """Make a seat for waiting interactive `seq` by preempting running bulk sequences
+        with worse keys, worst first (class-aware orders only), down to bulk's own share of
+        the seats (`bulk_min_share`). An interactive request never waits for a seat that
+        bulk holds beyond its share; an aged bulk sequence (a better key) keeps its seat."""
+        if not self.order.class_aware:
+            return False
+        bulk = self.running[RequestClass.BULK]
+        keep = math.ceil(self.config.max_num_seqs * self.config.bulk_min_share)
+        while self.num_running >= seats:
+            if len(bulk) <= keep or bulk[-1].order_key <= seq.order_key:
+                return False
+            self._preempt(bulk[-1], step)
+        return True
 
     def _preempt_for(self, seq: Sequence, n: int, step: _Step) -> bool:
         """Make room for waiting `seq` by preempting running sequences with worse keys,

@@ -137,6 +137,7 @@ async def test_queue_full_raises_before_streaming() -> None:
             await collect(engine, make_request("over", prompt_ids(9, 8), greedy(4)))
         assert info.value.retry_after_s >= 1
         assert not any(t.done() for t in busy)  # nothing already admitted was harmed
+        assert engine.stats().num_requests == ClassCounts(interactive=3)  # the refused: not
     finally:
         for task in busy:
             task.cancel()

@@ -11,7 +11,7 @@ from engine.request import FinishReason, RequestClass
 from engine.sched.order import StepOrderPolicy
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from policies.step_order import ClassPriority, EarliestDeadline, FirstComeFirstServed
 from tests.engine.sched_helpers import fake_token, make_requests, make_scheduler, make_seq, run_step
 from tests.engine.test_scheduler import run_random_workload
@@ -129,6 +129,37 @@ def test_interactive_work_stops_at_the_bulk_reserve_and_bulk_still_runs():
     sched.add(make_seq("bulk", 100, cls=BULK, arrival=2.0))
     out, _ = run_step(sched)
     assert chunk_sizes(out) == {"a": 48, "bulk": 16}
+
+
+def test_an_interactive_request_takes_a_seat_from_bulk_beyond_its_share():
+    sched = make_scheduler(max_num_seqs=4, bulk_min_share=0.25)  # bulk keeps 1 seat
+    bulk = make_requests(4, 4, cls=BULK, prefix="b")
+    fill(sched, *bulk)
+    sched.add(make_seq("chat1", 4, arrival=10.0))
+    out, _ = run_step(sched)
+    assert out.preempted == [bulk[3]]  # the worst key: the latest bulk
+    assert admitted(out) == ["chat1"] and bulk[3].status is SequenceStatus.WAITING
+    for i in (2, 3):
+        sched.add(make_seq(f"chat{i}", 4, arrival=10.0 + i))
+    out, _ = run_step(sched)
+    assert out.preempted == [bulk[2], bulk[1]] and admitted(out) == ["chat2", "chat3"]
+    sched.add(make_seq("chat4", 4, arrival=20.0))  # bulk is down to its share: chat4 waits
+    out, _ = run_step(sched)
+    assert out.preempted == [] and "chat4" not in chunk_sizes(out)
+    assert [s.request_id for s in sched.running[BULK]] == ["b0"]
+
+
+@pytest.mark.parametrize(
+    "order", [FirstComeFirstServed(), ClassPriority(aging_s=5.0)], ids=["fcfs", "aged"]
+)
+def test_no_seat_is_taken_from_bulk_ranked_first(order):
+    # fcfs: one line, arrival order; priority with aging: these bulk requests waited longer
+    # than aging_s before the chat arrived, so their keys rank before it.
+    sched = make_scheduler(max_num_seqs=2, bulk_min_share=0.0, order=order)
+    fill(sched, *make_requests(2, 4, cls=BULK, prefix="b"))
+    sched.add(make_seq("chat", 4, arrival=10.0))
+    out, _ = run_step(sched)
+    assert out.preempted == [] and "chat" not in chunk_sizes(out)
 
 
 # -- deadline -----------------------------------------------------------------------------------

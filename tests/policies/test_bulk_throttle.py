@@ -16,13 +16,20 @@ from policies.bulk_throttle import (
 )
 
 
-def stats(interactive: int = 0, bulk: int = 0, waiting_interactive: int = 0, seats: int = 32):
+def stats(
+    interactive: int = 0,
+    bulk: int = 0,
+    waiting_interactive: int = 0,
+    seats: int = 32,
+    taken_interactive: int = 0,
+):
     return EngineStats(
         model="m",
         running=ClassCounts(interactive, bulk),
         waiting=ClassCounts(waiting_interactive, 0),
         kv=KVStats(100, 50, 0.5, 0, 0),
         admission=AdmissionStats(128, 32, None, max_running=seats),
+        num_requests=ClassCounts(taken_interactive, 0),
     )
 
 
@@ -45,6 +52,20 @@ def test_an_idle_replica_lends_every_seat_a_busy_one_a_share():
     assert throttle.allowance({"a": stats(), "b": stats()}) == 4 + 32
     clock.now = 6.0
     assert throttle.allowance({"a": stats(), "b": stats()}) == 64
+
+
+def test_chats_that_came_and_went_between_two_snapshots_count_as_serving_chat():
+    clock = Clock()
+    throttle = SpareCapacity(busy_share=0.125, hold_s=5.0, clock=clock)
+    assert throttle.allowance({"a": stats(taken_interactive=7)}) == 32  # first look: history
+    clock.now = 1.0  # no chat running in either snapshot, but two were taken in between
+    assert throttle.allowance({"a": stats(taken_interactive=9)}) == 4
+    clock.now = 5.5
+    assert throttle.allowance({"a": stats(taken_interactive=9)}) == 4  # held
+    clock.now = 6.5
+    assert throttle.allowance({"a": stats(taken_interactive=9)}) == 32
+    # a replacement replica under the same id starts counting again: a change, not a drop
+    assert throttle.allowance({"a": stats(taken_interactive=1)}) == 4
 
 
 def test_bulk_never_takes_seats_interactive_holds_and_always_moves():
