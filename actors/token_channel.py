@@ -292,7 +292,8 @@ class ChannelSlot(OutputSlot):
 
     def put(self, delta: TokenDelta, now: float) -> None:
         super().put(delta, now)
-        self._mark(self)
+        if self.pending is not None:  # (a whole-output slot holds its deltas back)
+            self._mark(self)
 
     def fail(self, error: BaseException) -> None:
         super().fail(error)

@@ -46,17 +46,26 @@ class OutputSlot:
     """One request's pending output, where the engine puts it (on the event loop): at most
     one (merged) delta, or an error. `pending_since` (when the oldest unread delta arrived)
     lets the engine cut a stalled reader. `AsyncEngine.generate` reads it with `get`; other
-    readers (the replica's token channel) subclass it."""
+    readers (the replica's token channel) subclass it. A `whole` slot (`attach` sets it from
+    `Request.whole_output`) keeps the deltas back until the last one, then offers them as
+    one."""
 
-    __slots__ = ("error", "event", "pending", "pending_since")
+    __slots__ = ("_held", "error", "event", "pending", "pending_since", "whole")
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.pending: TokenDelta | None = None
         self.pending_since = 0.0
         self.error: BaseException | None = None
+        self.whole = False
+        self._held: list[TokenDelta] = []
 
     def put(self, delta: TokenDelta, now: float) -> None:
+        if self.whole:
+            self._held.append(delta)
+            if not delta.finished:
+                return
+            delta, self._held = merge_deltas(self._held), []
         if self.pending is None:
             self.pending = delta
             self.pending_since = now
@@ -227,6 +236,7 @@ class AsyncEngine:
         if rid in self._slots:
             raise InvalidRequest("request_id", f"request id {rid!r} is already running")
         self.admission.check(request.request_class, self.num_waiting_by_class)
+        slot.whole = request.whole_output
         self._slots[rid] = slot
         self.num_requests = self.num_requests.plus(request.request_class, 1)
         self._untaken = self._untaken.plus(request.request_class, 1)

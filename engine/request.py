@@ -148,6 +148,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     tags: dict[str, str] = field(default_factory=dict)
     deadline: float | None = None  # monotonic seconds; past it the request is aborted
+    # The reader wants the output only once it is complete (a batch line): it comes as one
+    # delta at the end, not one per step (no frames, no decoding, no merging per token).
+    whole_output: bool = False
 
 
 @dataclass(slots=True)

@@ -112,6 +112,27 @@ async def test_a_paused_socket_merges_deltas_until_it_resumes(server):
     pool.close()
 
 
+async def test_a_whole_output_slot_sends_one_frame_at_the_end(server):
+    pool = ChannelPool("node-a")
+    inbox = server.open("r")
+    conn = await pool.connection(server.address)
+    slot = conn.open("r")
+    slot.whole = True
+    frames: list[list] = []
+    deliver = server.deliver
+    server.deliver = lambda items: (frames.append(items), deliver(items))  # type: ignore[method-assign]
+    for n in range(1, 4):
+        slot.put(delta("r", n), now=float(n))
+        await asyncio.sleep(0.01)
+    assert frames == [] and slot.pending is None  # nothing unread: no stall to cut either
+    slot.put(delta("r", 4, FinishReason.STOP), now=4.0)
+    got = await inbox.get()
+    assert got.token_ids == [1, 2, 3, 4] and got.text == "t1t2t3t4" and got.finished
+    assert len(frames) == 1
+    await asyncio.wait_for(slot.done, 1)
+    pool.close()
+
+
 async def test_frames_split_anywhere_are_reassembled_and_unknown_ids_dropped(server):
     inbox = server.open("x")
     data = frame([encode_delta(delta("gone", 1))]) + frame(

@@ -50,6 +50,21 @@ async def test_streams_every_token_with_timings() -> None:
         await engine.shutdown()
 
 
+async def test_a_whole_output_request_gets_one_delta_equal_to_the_streamed_ones() -> None:
+    engine = await make_engine()
+    try:
+        streamed = await collect(engine, make_request("s", prompt_ids(3, 20), greedy(16)))
+        request = make_request("w", prompt_ids(3, 20), greedy(16))
+        request.whole_output = True
+        (whole,) = await collect(engine, request)
+        assert len(streamed) > 1
+        assert whole.token_ids == [t for d in streamed for t in d.token_ids]
+        assert whole.text == "".join(d.text for d in streamed)
+        assert whole.finish_reason is FinishReason.LENGTH and whole.num_output_tokens == 16
+    finally:
+        await engine.shutdown()
+
+
 async def test_concurrent_requests_match_sequential_ones() -> None:
     engine = await make_engine()
     try:
