@@ -3,6 +3,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.firstlight-setup
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# `make serve` on a GPU machine serves from one GPU (serve_config.gpu.yaml); SERVE_CONFIG=... overrides
+SERVE_CONFIG ?= $(if $(HAS_GPU),serve_config.gpu.yaml,serve_config.yaml)
 
 .PHONY: setup browser demo serve standalone screenshot load test test-fast lint bench bench-engine bench-overhead bench-routing bench-spec bench-batch bench-structured bench-policies clean
 
@@ -42,8 +44,8 @@ serve: setup demo
 	# Ray nices its workers to 15 by default; model replicas should not yield to everything.
 	# The announcer prints the playground's URL once /health answers; `exec` gives `serve run`
 	# this shell's pid, which the announcer watches so it leaves with it.
-	$(PY) -m app.playground.announce --config serve_config.yaml --while-pid $$$$ & \
-	RAY_worker_niceness=0 exec $(VENV)/bin/serve run serve_config.yaml
+	$(PY) -m app.playground.announce --config $(SERVE_CONFIG) --while-pid $$$$ & \
+	RAY_worker_niceness=0 exec $(VENV)/bin/serve run $(SERVE_CONFIG)
 
 standalone: setup demo
 	$(PY) -m app.standalone --config serve_config.yaml

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
 from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -141,7 +142,7 @@ def application(config: AppConfig) -> Application:
         health_check_timeout_s=replica.health_check_timeout_s,
         graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
         request_router_config=request_router(config),
-        ray_actor_options=replica.ray_actor_options(),
+        ray_actor_options=_replica_actor_options(config),
         logging_config=_QUIET,
     ).bind(config, control_plane, _draft_replica(config))
     ingress = config.ingress
@@ -159,6 +160,23 @@ def application(config: AppConfig) -> Application:
         backpressure_config=_BACKPRESSURE,
         ray_actor_options=ingress.ray_actor_options(),
     ).bind(config, replicas, control_plane, batch_jobs)
+
+
+def _replica_actor_options(config: AppConfig) -> dict[str, Any]:
+    """The ModelReplica's Ray options: its section's CPUs and resources, and a GPU when its
+    engine runs on CUDA (a GPU-less head may build the app for GPU workers: Ray's view of the
+    whole cluster decides "auto", else this machine's)."""
+    options = config.replica.ray_actor_options()
+    if ray.is_initialized():
+        gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    else:
+        import torch
+
+        gpus = float(torch.cuda.device_count())
+    num_gpus = config.replica_num_gpus(gpus)
+    if num_gpus:
+        options["num_gpus"] = num_gpus
+    return options
 
 
 def _draft_replica(config: AppConfig) -> Application | None:

@@ -127,6 +127,9 @@ class ReplicaSettings(DeploymentSection):
     Serve's queue (`max_queued_requests`) is a last resort."""
 
     num_cpus: float = Field(0.6, ge=0)
+    # GPUs per replica; None: 1 when its engine runs on CUDA (`engine.device` "cuda", or
+    # "auto" on a cluster with GPUs), else 0 (AppConfig.replica_num_gpus)
+    num_gpus: float | None = Field(None, ge=0)
     autoscaling: AutoscalingSettings = AutoscalingSettings()
     max_queued_requests: int = Field(64, ge=1)  # per caller, when every replica is full
     health_check_period_s: float = Field(5.0, gt=0)
@@ -211,6 +214,13 @@ class AppConfig(Settings):
     @property
     def uses_draft_replica(self) -> bool:
         return self.engine.speculative.method == "draft_model" and self.draft_replica.enabled
+
+    def replica_num_gpus(self, cluster_gpus: float) -> float:
+        """GPUs Serve gives each ModelReplica, on a cluster with `cluster_gpus` GPUs."""
+        if self.replica.num_gpus is not None:
+            return self.replica.num_gpus
+        device = self.engine.device
+        return 1.0 if device.startswith("cuda") or (device == "auto" and cluster_gpus > 0) else 0.0
 
     @property
     def replica_max_ongoing_requests(self) -> int:

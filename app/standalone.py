@@ -61,8 +61,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> StandaloneSettings:
     parser.add_argument("--served-model-name", help="the name clients send as `model`")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
-    parser.add_argument("--device", help="engine.device: cpu | cuda")
-    parser.add_argument("--dtype", help="engine.dtype: float32 | bfloat16 | float16")
+    parser.add_argument("--device", help="engine.device: auto | cpu | cuda")
+    parser.add_argument("--dtype", help="engine.dtype: auto | float32 | bfloat16 | float16")
     parser.add_argument("--keepalive-s", type=float)
     parser.add_argument("--log-level")
     flags = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}

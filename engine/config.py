@@ -11,16 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV pool. `num_blocks` wins over `kv_cache_bytes` when both are set."""
+    """Paged KV pool. `num_blocks` wins over `kv_cache_bytes` when both are set. With
+    neither, the pool is 256 MiB on the CPU, and on a GPU what `gpu_memory_utilization` of its
+    memory leaves after the weights and the largest step's activations (engine/device.py)."""
 
     block_size: int = field(default=16, metadata={"ge": 1})
     num_blocks: int | None = field(default=None, metadata={"ge": 1})
-    kv_cache_bytes: int = field(default=256 * 1024 * 1024, metadata={"ge": 1024 * 1024})
+    kv_cache_bytes: int | None = field(default=None, metadata={"ge": 1024 * 1024})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"gt": 0.0, "le": 1.0})
     enable_prefix_caching: bool = True
 
 
@@ -83,8 +86,10 @@ class EngineConfig:
     `AsyncEngine`)."""
 
     model: str = "demo"  # a local HF directory, or "demo" / "demo-draft" for the built-in models
-    dtype: Dtype = "float32"
-    device: str = "cpu"
+    # "auto": CUDA when this process sees a GPU, else the CPU; bfloat16 on a GPU, float32 on
+    # the CPU (engine/device.py)
+    dtype: Dtype = "auto"
+    device: str = "auto"
     # defaults to the model's max_position_embeddings
     max_model_len: int | None = field(default=None, metadata={"ge": 16})
     attention_backend: str | None = None  # None picks the best that supports the setup

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
+from engine.device import placed
 from engine.errors import InvalidRequest
 from engine.kv.block_hash import model_key
 from engine.kv.cache_manager import KVCacheManager
@@ -71,6 +72,7 @@ class LLMEngine:
         proposer: Proposer | None = None,
         spec_policy: SpeculationPolicy | None = None,
     ):
+        config = placed(config)  # device and dtype "auto" made concrete
         self.config = config
         self.model_path = resolve_model(config.model)
         self.model_name = config.model

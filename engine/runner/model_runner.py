@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
+from engine.device import CPU_KV_CACHE_BYTES, kv_budget_bytes, placed
 from engine.models.loader import ModelInfo, load_model, read_model_info
 from engine.runner.inputs import StepBuffers, StepInputs
 from engine.sched.output import SchedulerOutput
@@ -25,6 +26,7 @@ from kernels.registry import select_backend
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str):
+        config = placed(config)
         self.config = config
         self.device = torch.device(config.device)
         info = read_model_info(model_path, config.dtype)
@@ -47,22 +49,6 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.info.dtype).element_size()
         per_layer = self.block_size * self.info.num_kv_heads * self.info.head_dim * elem
         self.bytes_per_block = 2 * self.info.num_layers * per_layer  # K and V, every layer
-        self.num_blocks = config.cache.num_blocks or (
-            config.cache.kv_cache_bytes // self.bytes_per_block
-        )
-        if self.num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_bytes {config.cache.kv_cache_bytes} holds no block of "
-                f"{self.bytes_per_block} bytes"
-            )
-        shape = (self.num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.info.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.info.dtype, device=self.device),
-            )
-            for _ in range(self.info.num_layers)
-        ]
         self.buffers = StepBuffers(
             max_num_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
@@ -70,6 +56,60 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
+        cache = config.cache
+        if cache.num_blocks:
+            self.num_blocks = cache.num_blocks
+        elif cache.kv_cache_bytes is not None or self.device.type != "cuda":
+            self.num_blocks = (cache.kv_cache_bytes or CPU_KV_CACHE_BYTES) // self.bytes_per_block
+        else:
+            self.num_blocks = self._blocks_from_free_memory()
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"the KV pool (kv_cache_bytes {cache.kv_cache_bytes}, gpu_memory_utilization "
+                f"{cache.gpu_memory_utilization}) holds no block of {self.bytes_per_block} bytes"
+            )
+        self.kv_caches = self._allocate_kv(self.num_blocks)
+
+    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.info.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.info.dtype, device=self.device),
+            )
+            for _ in range(self.info.num_layers)
+        ]
+
+    def _blocks_from_free_memory(self) -> int:
+        """On CUDA with no size given: the blocks `gpu_memory_utilization` of the device
+        leaves, after one profiling prefill of a full step budget (`max_num_batched_tokens`
+        tokens, on a scratch pool just large enough) measures the activations' peak."""
+        tokens = self.config.scheduler.max_num_batched_tokens
+        tokens = max(1, min(tokens, self.max_model_len - 1))
+        bs = self.block_size
+        scratch_blocks = -(-(tokens + 1) // bs)
+        torch.cuda.synchronize(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        self.kv_caches = self._allocate_kv(scratch_blocks)
+        scratch = torch.cuda.memory_allocated(self.device) - weights
+        torch.cuda.reset_peak_memory_stats(self.device)
+        blocks = list(range(scratch_blocks))
+        self._run(StepInputs([0] * tokens, list(range(tokens)), list(range(tokens)),
+                             [0, tokens], [tokens], [blocks], [tokens - 1]))  # fmt: skip
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - weights - scratch
+        del self.kv_caches
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        not_ours = total - free - torch.cuda.memory_reserved(self.device)
+        budget = kv_budget_bytes(
+            total=total,
+            not_ours=not_ours,
+            weights=weights,
+            peak_activations=peak,
+            utilization=self.config.cache.gpu_memory_utilization,
+        )
+        return budget // self.bytes_per_block
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """`[num_sample_rows, vocab]` float32 logits: per sampling chunk in chunk order, its

@@ -272,3 +272,37 @@ def test_each_section_places_its_deployment_by_custom_resources():
     # unset: Ray's own placement, no resources asked for
     default = bound_deployment(application(load_config({})))
     assert default.ray_actor_options == {"num_cpus": 0.4}
+
+
+def test_the_gpu_config_serves_one_replica_per_gpu_from_free_memory():
+    config = yaml.safe_load((ROOT / "serve_config.gpu.yaml").read_text())
+    (app,) = config["applications"]
+    gpu = load_config(app["args"])
+    assert (gpu.engine.device, gpu.engine.dtype) == ("auto", "auto")
+    assert gpu.engine.cache.kv_cache_bytes is None and gpu.engine.cache.num_blocks is None
+    assert gpu.engine.speculative.method == "off" and not gpu.uses_draft_replica
+    assert gpu.replica_num_gpus(cluster_gpus=0) == 1.0  # asked for even where none is seen
+    assert gpu.replica.autoscaling.max_replicas == 1
+    replicas = bound_deployment(bound_deployment(application(gpu)).init_args[1])
+    assert replicas.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert (
+        config["controller_options"]
+        == yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"]
+    )  # the same Serve tuning as the CPU config
+
+
+@pytest.mark.parametrize(
+    ("engine", "num_gpus", "cluster_gpus", "expected"),
+    [
+        ({}, None, 0.0, 0.0),  # auto on a CPU cluster
+        ({}, None, 8.0, 1.0),  # auto where the cluster has GPUs
+        ({"device": "cpu"}, None, 8.0, 0.0),
+        ({"device": "cuda"}, None, 0.0, 1.0),
+        ({"device": "cuda:0"}, 0.5, 8.0, 0.5),  # explicit: two replicas share a GPU
+    ],
+)
+def test_a_replica_asks_serve_for_a_gpu_when_its_engine_runs_on_cuda(
+    engine, num_gpus, cluster_gpus, expected
+):
+    config = load_config({"engine": engine, "replica": {"num_gpus": num_gpus}})
+    assert config.replica_num_gpus(cluster_gpus) == expected

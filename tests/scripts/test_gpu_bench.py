@@ -1,0 +1,27 @@
+"""`bench/gpu.py --tiny` runs the GPU benchmark's whole script on the CPU (a tiny shape):
+every measurement, the engine on HF-saved random weights, and the JSON it prints. (Its
+figures mean nothing on the CPU; on a GPU host, `python bench/gpu.py` measures.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_bench_runs_end_to_end_on_a_tiny_shape():
+    done = subprocess.run(
+        [sys.executable, "bench/gpu.py", "--tiny"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("mbu_8b_bs1", "tpot_1b_bs1_speedup_vs_hf", "throughput_8b_bs64_ratio_vs_hf",
+                "prefill_mfu_8b_2k", "copy_tb_per_s", "matmul_tflop_per_s"):  # fmt: skip
+        assert result[key] > 0, key
+    ours = result["shapes"]["8b"]["ours"]
+    assert ours["kv_blocks"] > 0 and ours["backend"] == "cpu_paged"
+    assert result["gpu"] == "cpu (--tiny)"
