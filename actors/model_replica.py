@@ -100,6 +100,7 @@ class ModelReplica:
     # -- the token path ------------------------------------------------------------------
 
     async def stream_to(self, request: Request, address: ChannelAddress) -> ReplicaError | None:
+        request.to_local_clock()
         if not self.engine.is_healthy:
             return ReplicaError.from_exception(Unavailable("the engine is not running"))
         conn = await self.channels.connection(address)
@@ -124,6 +125,7 @@ class ModelReplica:
             conn.close_slot(rid)
 
     async def generate(self, request: Request) -> AsyncIterator[TokenDelta | ReplicaError]:
+        request.to_local_clock()
         if not self.engine.is_healthy:
             yield ReplicaError.from_exception(Unavailable("the engine is not running"))
             return

@@ -53,7 +53,7 @@ from actors.serve_internals import own_serve_request_id
 from actors.settings import IngressSettings
 from actors.token_channel import ChannelServer, TokenInbox
 from engine.errors import QueueFull, Unavailable
-from engine.request import Request, RequestClass, TokenDelta
+from engine.request import Request, RequestClass, TokenDelta, clock_base
 from engine.stats import EngineStats, sum_engine_stats
 
 _UNAVAILABLE = (
@@ -166,6 +166,7 @@ class ReplicaClient:
             rid = request.request_id
             inbox = channel.open(rid)
             assert self._unary is not None and channel.address is not None
+            request.sender_clock = clock_base()
             with own_serve_request_id():
                 response = self._unary.stream_to.remote(request, channel.address)
             self._inflight[rid] = response
@@ -205,6 +206,7 @@ class ReplicaClient:
 
     async def _via_stream(self, request: Request) -> AsyncIterator[TokenDelta]:
         async with self._admitted(request):
+            request.sender_clock = clock_base()
             with own_serve_request_id():
                 response = self._stream.generate.remote(request)
             rid = request.request_id

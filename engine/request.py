@@ -137,9 +137,19 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def clock_base() -> float:
+    """This host's monotonic clock less its wall clock: the same in every process of one host,
+    another on another host (monotonic time counts from each host's boot)."""
+    return time.monotonic() - time.time()
+
+
 @dataclass(slots=True)
 class Request:
-    """One generation request as the engine receives it (already tokenized)."""
+    """One generation request as the engine receives it (already tokenized).
+
+    `arrival_time` and `deadline` are on the monotonic clock of the process that made the
+    request. A caller that sends it to another process stamps `sender_clock` (its
+    `clock_base()`); the receiver calls `to_local_clock()` before using either time."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -151,6 +161,20 @@ class Request:
     # The reader wants the output only once it is complete (a batch line): it comes as one
     # delta at the end, not one per step (no frames, no decoding, no merging per token).
     whole_output: bool = False
+    sender_clock: float | None = None  # the sender's clock_base() as it sent the request
+
+    def to_local_clock(self) -> None:
+        """Move `arrival_time` and `deadline` from the sender's monotonic clock onto this
+        process's. Without it a replica on another host would compare times of two clocks
+        that differ by the hosts' uptimes (queue times, the step order's keys, deadlines);
+        the transit between them stays counted, to the accuracy of the hosts' wall clocks."""
+        if self.sender_clock is None:
+            return
+        shift = clock_base() - self.sender_clock
+        self.arrival_time += shift
+        if self.deadline is not None:
+            self.deadline += shift
+        self.sender_clock = None
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ health, and the stats push."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from actors.cluster import ReplicaReport
 from actors.messages import ErrorKind, ReplicaError, ReplicaInfo
 from actors.model_replica import ModelReplica
-from engine.request import Request, SamplingParams
+from engine.request import Request, SamplingParams, clock_base
 from engine.sched.admission import Admission
 from engine.stats import EngineStats
 from tests.actors.helpers import require_demo_model, small_config
@@ -73,10 +74,16 @@ async def test_a_started_replica_is_warm_and_streams_every_token():
         info = await replica.info()
         assert isinstance(info, ReplicaInfo) and info.model == "demo"
         assert info.max_model_len == replica.engine.max_model_len
-        deltas = [d async for d in replica.generate(request("a", await prompt_ids(replica)))]
+        # sent from a host whose monotonic clock is a day ahead, 0.1 s ago
+        sent = request("a", await prompt_ids(replica))
+        sent.arrival_time = time.monotonic() + 86400 - 0.1
+        sent.sender_clock = clock_base() + 86400
+        deltas = [d async for d in replica.generate(sent)]
         assert sum(len(d.token_ids) for d in deltas) == 8
         assert deltas[-1].finish_reason == "length"
         assert all(d.finish_reason is None for d in deltas[:-1])
+        timings = deltas[-1].timings
+        assert timings is not None and 0.09 < timings.queue_s < 5  # on the replica's clock
         await replica.check_health()
     finally:
         await replica.__del__()

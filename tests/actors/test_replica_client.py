@@ -91,6 +91,7 @@ async def test_deltas_pass_through_and_a_finished_call_is_not_cancelled():
     assert [d.text for d in await drain(client)] == ["t1", "t2", "t3"]
     assert handle.options_seen == {"stream": True, "_by_reference": False}
     assert handle.sent == [REQUEST]
+    assert REQUEST.sender_clock is not None  # the replica moves its times onto its own clock
     assert not response.cancelled
 
 
