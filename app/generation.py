@@ -33,7 +33,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, it only shows in a
 
 @dataclass(slots=True)
 class Trace:
-    """When token chunks reached the client (or, non-streamed, the HTTP layer)."""
+    """When token chunks reached the client (streamed requests)."""
 
     arrival: float
     first: float | None = None
@@ -71,10 +71,13 @@ async def run_job(job: Job, runtime: Runtime, receive: Receive) -> Response:
     """The HTTP answer of `job`. A client that leaves (or a cancelled handler) before the
     response starts is normal traffic: one INFO line, the engine requests aborted, counted."""
     work = job.work
+    if not work.stream:  # the client reads the whole answer: one delta per choice, at its end
+        for engine_request in work.requests:
+            engine_request.whole_output = True
     feed = DeltaFeed(work.endpoint.client, work.requests)
     try:
         if not work.stream:
-            await until_disconnected(collect(work, feed, job.trace.delivered), receive)
+            await until_disconnected(collect(work, feed, lambda: None), receive)
             await feed.close()
             return _finish_json(job, runtime)
         first = await until_disconnected(feed.next_batch(runtime.keepalive_s), receive)
@@ -151,20 +154,28 @@ async def _stream_events(
 
 
 def _record(job: Job, runtime: Runtime, usage: dict[str, Any]) -> None:
+    """Streamed: TTFT and gaps as the client's chunks left. Not streamed (nothing reaches the
+    client before the end): TTFT and time per output token as the engine measured them."""
     trace, renderer = job.trace, job.work.renderer
     e2e = time.monotonic() - trace.arrival
     longest = max(s.num_output_tokens for s in renderer.states)
-    tpot = None
-    if trace.first is not None and trace.last is not None and longest > 1:
-        tpot = (trace.last - trace.first) / (longest - 1)
-    ttft = None if trace.first is None else trace.first - trace.arrival
+    engine = renderer.latency()
+    tpot = ttft = None
+    if not job.work.stream:
+        ttft, decode = engine["ttft_s"], engine["decode_s"]
+        if decode is not None and longest > 1:
+            tpot = float(decode) / (longest - 1)
+    else:
+        if trace.first is not None and trace.last is not None and longest > 1:
+            tpot = (trace.last - trace.first) / (longest - 1)
+        ttft = None if trace.first is None else trace.first - trace.arrival
     runtime.metrics.record_request(
         job.labels,
-        ttft_s=ttft,
+        ttft_s=None if ttft is None else float(ttft),
         itl_s=trace.gaps,
         tpot_s=tpot,
         e2e_s=e2e,
-        engine_timings=renderer.latency(),
+        engine_timings=engine,
         finish_reasons=[s.finish_reason for s in renderer.states],
         prompt_tokens=usage["prompt_tokens"],
         generation_tokens=usage["completion_tokens"],

@@ -48,7 +48,9 @@ RequestLabels = tuple[str, str, str, str]  # values of LABELS
 EngineStatsSource = Callable[[], Iterable[tuple[Mapping[str, str], EngineStats]]]
 
 HISTOGRAMS = {
-    "time_to_first_token_seconds": "Time from request arrival to the first token chunk.",
+    "time_to_first_token_seconds": (
+        "Time from request arrival to the first token chunk (not streamed: the first token)."
+    ),
     "inter_token_latency_seconds": "Gap between consecutive token chunks of a stream.",
     "request_time_per_output_token_seconds": "Mean time per output token after the first.",
     "e2e_request_latency_seconds": "Time from request arrival to the last byte.",

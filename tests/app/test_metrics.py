@@ -174,6 +174,21 @@ async def test_metrics_endpoint_after_requests_with_bounded_tags():
     assert sample(text, "firstlight_num_requests_running", model="demo") == 1  # fake's stats
 
 
+async def test_a_non_streamed_request_takes_its_output_whole_and_engine_timings():
+    engine = FakeEngine(script=Script(pieces=("a", "b", "c"), delay_s=0.003))
+    app, _ = make_app(engine)
+    async with make_client(app) as client:
+        for stream in (False, True):
+            body = chat_body(stream=stream, metadata={"feature": f"s{int(stream)}"})
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        text = (await client.get("/metrics")).text
+    assert [r.whole_output for r in engine.requests] == [True, False]
+    # not streamed: TTFT as the engine measured it, and no chunk gaps (nothing was streamed)
+    assert sample(text, "firstlight_time_to_first_token_seconds_count", feature="s0") == 1
+    assert not re.search(r'inter_token_latency_seconds_count\{[^}]*feature="s0"', text)
+    assert sample(text, "firstlight_inter_token_latency_seconds_count", feature="s1") == 2
+
+
 async def test_extra_snapshots_are_merged_into_the_scrape():
     other = Metrics()
     record(other, labels=("demo", "bulk", "none", "none"))
