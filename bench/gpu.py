@@ -197,6 +197,7 @@ def measure(shape: str, device: torch.device, dtype: torch.dtype, tiny: bool) ->
         hf = hf_figures(model, device, tiny)
         log(f"{shape}: HF {hf}")
         del model
+        torch._dynamo.reset()  # HF's static-cache generate compiles; its graphs hold the weights
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
