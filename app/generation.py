@@ -161,9 +161,9 @@ def _record(job: Job, runtime: Runtime, usage: dict[str, Any]) -> None:
     longest = max(s.num_output_tokens for s in renderer.states)
     engine = renderer.latency()
     tpot = ttft = None
-    if not job.work.stream:
+    if not job.work.stream:  # (with n > 1 the engine's timings are one choice's: no TPOT)
         ttft, decode = engine["ttft_s"], engine["decode_s"]
-        if decode is not None and longest > 1:
+        if decode is not None and longest > 1 and len(renderer.states) == 1:
             tpot = float(decode) / (longest - 1)
     else:
         if trace.first is not None and trace.last is not None and longest > 1:

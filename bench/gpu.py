@@ -153,6 +153,8 @@ async def our_figures(path: Path, tiny: bool) -> dict[str, Any]:
     batch = 4 if tiny else BATCH
     config = EngineConfig(
         model=str(path),
+        device="cpu" if tiny else "auto",  # auto: CUDA and bfloat16 here
+        dtype="float32" if tiny else "auto",
         cache=CacheConfig(kv_cache_bytes=(64 << 20) if tiny else None, gpu_memory_utilization=0.85),
         scheduler=SchedulerConfig(max_num_seqs=max(batch, 64), max_num_batched_tokens=8192),
     )

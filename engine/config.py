@@ -87,9 +87,10 @@ class EngineConfig:
 
     model: str = "demo"  # a local HF directory, or "demo" / "demo-draft" for the built-in models
     # "auto": CUDA when this process sees a GPU, else the CPU; bfloat16 on a GPU, float32 on
-    # the CPU (engine/device.py)
-    dtype: Dtype = "auto"
-    device: str = "auto"
+    # the CPU (engine/device.py; serve_config.gpu.yaml uses it). The defaults stay on the CPU,
+    # so a CPU config means the same on a host that has a GPU.
+    dtype: Dtype = "float32"
+    device: str = "cpu"
     # defaults to the model's max_position_embeddings
     max_model_len: int | None = field(default=None, metadata={"ge": 16})
     attention_backend: str | None = None  # None picks the best that supports the setup

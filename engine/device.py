@@ -8,9 +8,10 @@ KV pool a GPU can hold.
 concrete values.
 
 `kv_budget_bytes` is the KV pool a GPU can hold when the config gives no size: the share
-`gpu_memory_utilization` of the device's memory, less what is not ours to take (other
-processes, the CUDA context), the weights, and the activations of the largest step (measured
-by one profiling forward pass: `ModelRunner`).
+`gpu_memory_utilization` of the device's memory, less this engine's weights and the
+activations of the largest step (measured by one profiling forward pass: `ModelRunner`), and
+never more than the memory still free less those activations (another process on the same
+GPU, e.g. a second replica with `num_gpus: 0.5`, keeps what it holds).
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ def placed(config: EngineConfig) -> EngineConfig:
 def kv_budget_bytes(
     *,
     total: int,
-    not_ours: int,
+    free: int,
     weights: int,
     peak_activations: int,
     utilization: float,
 ) -> int:
-    """Bytes the KV pool may take on a device of `total` bytes: `utilization` of it, less
-    memory other processes and the CUDA context hold (`not_ours`), the weights, and the
-    largest step's activations. Never negative."""
-    return max(0, int(total * utilization) - not_ours - weights - peak_activations)
+    """Bytes the KV pool may take on a device of `total` bytes with `free` bytes free now:
+    `utilization` of it less the weights and the largest step's activations, and at most what
+    is free less those activations. Never negative."""
+    share = int(total * utilization) - weights - peak_activations
+    return max(0, min(share, free - peak_activations))

@@ -94,17 +94,22 @@ class ModelRunner:
         scratch = torch.cuda.memory_allocated(self.device) - weights
         torch.cuda.reset_peak_memory_stats(self.device)
         blocks = list(range(scratch_blocks))
-        self._run(StepInputs([0] * tokens, list(range(tokens)), list(range(tokens)),
-                             [0, tokens], [tokens], [blocks], [tokens - 1]))  # fmt: skip
+        rows = min(tokens, self.config.scheduler.max_num_seqs)  # logits of a full batch too
+        positions = list(range(tokens))
+        self._run(
+            StepInputs(
+                [0] * tokens, positions, positions, [0, tokens], [tokens], [blocks],
+                positions[tokens - rows :],
+            )
+        )  # fmt: skip
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - weights - scratch
         del self.kv_caches
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        not_ours = total - free - torch.cuda.memory_reserved(self.device)
         budget = kv_budget_bytes(
             total=total,
-            not_ours=not_ours,
+            free=free,
             weights=weights,
             peak_activations=peak,
             utilization=self.config.cache.gpu_memory_utilization,

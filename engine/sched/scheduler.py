@@ -312,16 +312,24 @@ class Scheduler:
         room = step.budget - (step.bulk_tokens if interactive else 0)
         seats = self.config.max_num_seqs - (step.bulk_seats if interactive else 0)
         lost = step.floor.get(cls)
-        if (lost is not None and seq.order_key >= lost) or room <= 0:
-            step.closed.update(self._line(cls))
-            return
-        if self.num_running >= seats and not (interactive and self._free_seat(seq, seats, step)):
+        short_of_seat = self.num_running >= seats
+        if (
+            (lost is not None and seq.order_key >= lost)
+            or room <= 0
+            or (short_of_seat and not interactive)
+        ):
             step.closed.update(self._line(cls))
             return
         cached = self.kv.get_computed_blocks(seq)
         seq.num_computed_tokens = cached
         n = min(seq.num_tokens - cached, room)
-        if not self.kv.allocate_slots(seq, n) and not self._preempt_for(seq, n, step):
+        # short of a seat: one is freed only if the blocks could then be found too
+        seated = not short_of_seat or (
+            self._could_fit(seq, n) and self._free_seat(seq, seats, step)
+        )
+        if not seated or (
+            not self.kv.allocate_slots(seq, n) and not self._preempt_for(seq, n, step)
+        ):
             self.kv.free(seq)  # the cache hits it took; it stays first in line
             seq.num_computed_tokens = 0
             step.closed.update(self._line(cls))
@@ -354,14 +362,24 @@ class Scheduler:
             self._preempt(bulk[-1], step)
         return True
 
-    def _preempt_for(self, seq: Sequence, n: int, step: _Step) -> bool:
-        """Make room for waiting `seq` by preempting running sequences with worse keys,
-        worst first. Preempts nothing when even all of their blocks would not suffice."""
-        worse = [
+    def _worse(self, seq: Sequence) -> list[Sequence]:
+        """The running sequences whose keys rank after `seq`'s."""
+        return [
             s
             for r in self.running.values()
             for s in r[bisect.bisect_right(r, seq.order_key, key=_key) :]
         ]
+
+    def _could_fit(self, seq: Sequence, n: int) -> bool:
+        """Whether `seq`'s next `n` tokens fit in the free blocks plus those the running
+        sequences with worse keys hold (so preempting for it is not in vain)."""
+        held = sum(len(s.block_ids) for s in self._worse(seq))
+        return self.kv.num_new_blocks(seq, n) <= self.kv.num_free_blocks + held
+
+    def _preempt_for(self, seq: Sequence, n: int, step: _Step) -> bool:
+        """Make room for waiting `seq` by preempting running sequences with worse keys,
+        worst first. Preempts nothing when even all of their blocks would not suffice."""
+        worse = self._worse(seq)
         held = sum(len(s.block_ids) for s in worse)
         if not worse or self.kv.num_new_blocks(seq, n) > self.kv.num_free_blocks + held:
             return False

@@ -88,6 +88,7 @@ async def test_deltas_pass_through_and_a_finished_call_is_not_cancelled():
     response = FakeResponse([delta(1), delta(2), delta(3, FinishReason.STOP)])
     handle = FakeHandle(response)
     client = ReplicaClient(handle, transport={"_by_reference": False})
+    REQUEST.sender_clock = None
     assert [d.text for d in await drain(client)] == ["t1", "t2", "t3"]
     assert handle.options_seen == {"stream": True, "_by_reference": False}
     assert handle.sent == [REQUEST]
@@ -235,6 +236,7 @@ class ChannelHandle:
         return self
 
     def remote(self, request: Request, address) -> ChannelCall:
+        assert request.sender_clock is not None  # the replica moves its times onto its clock
         call = self.make_call(address)
         self.calls.append(call)
         return call
@@ -257,6 +259,7 @@ async def test_channel_deltas_arrive_and_a_finished_call_is_not_cancelled(channe
     deltas = [delta(1), delta(2), delta(3, FinishReason.STOP)]
     handle = ChannelHandle(lambda address: ChannelCall(pool, address, deltas))
     client = ReplicaClient(handle, channel=server)
+    REQUEST.sender_clock = None
     got = await drain(client)
     assert "".join(d.text for d in got) == "t1t2t3"
     assert got[-1].finish_reason is FinishReason.STOP

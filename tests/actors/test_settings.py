@@ -294,9 +294,9 @@ def test_the_gpu_config_serves_one_replica_per_gpu_from_free_memory():
 @pytest.mark.parametrize(
     ("engine", "num_gpus", "cluster_gpus", "expected"),
     [
-        ({}, None, 0.0, 0.0),  # auto on a CPU cluster
-        ({}, None, 8.0, 1.0),  # auto where the cluster has GPUs
-        ({"device": "cpu"}, None, 8.0, 0.0),
+        ({"device": "auto"}, None, 0.0, 0.0),  # auto on a CPU cluster
+        ({"device": "auto"}, None, 8.0, 1.0),  # auto where the cluster has GPUs
+        ({}, None, 8.0, 0.0),  # the default: the CPU, whatever the cluster has
         ({"device": "cuda"}, None, 0.0, 1.0),
         ({"device": "cuda:0"}, 0.5, 8.0, 0.5),  # explicit: two replicas share a GPU
     ],

@@ -34,18 +34,21 @@ def test_explicit_settings_are_kept():
     assert resolve_dtype("float16", torch.device("cpu")) == "float16"
 
 
-def test_the_kv_budget_is_the_share_left_after_everything_else():
-    # an 80 GiB GPU at 0.9: 72 GiB, less 1 GiB context, 16 GiB weights, 2 GiB activations
+def test_the_kv_budget_is_the_share_left_after_weights_and_activations():
+    # an 80 GiB GPU at 0.9: 72 GiB, less 16 GiB of weights and 2 GiB of activations
     budget = kv_budget_bytes(
-        total=80 * GIB, not_ours=GIB, weights=16 * GIB, peak_activations=2 * GIB, utilization=0.9
+        total=80 * GIB, free=63 * GIB, weights=16 * GIB, peak_activations=2 * GIB, utilization=0.9
     )
-    assert budget == 53 * GIB
-    assert (
-        kv_budget_bytes(
-            total=8 * GIB, not_ours=GIB, weights=7 * GIB, peak_activations=GIB, utilization=0.9
-        )
-        == 0
+    assert budget == 54 * GIB
+    # a second replica on the same GPU (the first holds 40 GiB): at most what is free
+    shared = kv_budget_bytes(
+        total=80 * GIB, free=30 * GIB, weights=8 * GIB, peak_activations=2 * GIB, utilization=0.9
     )
+    assert shared == 28 * GIB
+    too_small = kv_budget_bytes(
+        total=8 * GIB, free=GIB, weights=7 * GIB, peak_activations=GIB, utilization=0.9
+    )
+    assert too_small == 0
 
 
 def test_without_a_size_the_cpu_pool_is_256_mib():

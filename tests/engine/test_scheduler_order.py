@@ -149,6 +149,17 @@ def test_an_interactive_request_takes_a_seat_from_bulk_beyond_its_share():
     assert [s.request_id for s in sched.running[BULK]] == ["b0"]
 
 
+def test_no_seat_is_taken_from_bulk_when_the_blocks_would_still_be_short():
+    # 3 seats, 12 blocks: a chat holds 5, two bulk sequences 3 each; the new chat needs 8
+    sched = make_scheduler(max_num_seqs=3, num_blocks=12, bulk_min_share=0.0)
+    fill(sched, make_seq("chat0", 72, arrival=0.0), *make_requests(2, 40, cls=BULK, prefix="b"))
+    sched.add(make_seq("big", 128, arrival=5.0))
+    for _ in range(4):
+        out, _ = run_step(sched)
+        assert out.preempted == [] and "big" not in chunk_sizes(out)
+    assert [s.request_id for s in sched.running[BULK]] == ["b0", "b1"]
+
+
 @pytest.mark.parametrize(
     "order", [FirstComeFirstServed(), ClassPriority(aging_s=5.0)], ids=["fcfs", "aged"]
 )

@@ -24,15 +24,17 @@ def test_auto_places_the_engine_on_the_gpu_in_bfloat16_and_fills_the_share_of_me
     util = 0.5
     config = EngineConfig(
         model=str(path),
+        device="auto",
+        dtype="auto",
         cache=CacheConfig(gpu_memory_utilization=util),
         scheduler=SchedulerConfig(max_num_batched_tokens=2048),
     )
     runner = ModelRunner(config, str(path))
     assert runner.device.type == "cuda" and runner.info.dtype == torch.bfloat16
     torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
+    _, total = torch.cuda.mem_get_info()
     pool = runner.num_blocks * runner.bytes_per_block
     assert pool > 0.3 * total  # a tiny model: nearly all of the share is KV
-    assert total - free <= util * total + (256 << 20)  # within the share (+ context slack)
+    assert pool + runner.bytes_per_block <= util * total  # within the share
     # the pool serves a real step (prefill, then decode) after sizing
     runner.warmup()
