@@ -71,9 +71,6 @@ async def run_job(job: Job, runtime: Runtime, receive: Receive) -> Response:
     """The HTTP answer of `job`. A client that leaves (or a cancelled handler) before the
     response starts is normal traffic: one INFO line, the engine requests aborted, counted."""
     work = job.work
-    if not work.stream:  # the client reads the whole answer: one delta per choice, at its end
-        for engine_request in work.requests:
-            engine_request.whole_output = True
     feed = DeltaFeed(work.endpoint.client, work.requests)
     try:
         if not work.stream:

@@ -101,8 +101,6 @@ async def engine_alone(lines: list[dict[str, Any]], args: dict[str, Any]) -> flo
         async with seats:
             rid = line["custom_id"]
             job = await layer.prepare(line["url"], line["body"], headers={}, request_id=rid)
-            for request in job.requests:  # as the batch runner reads them
-                request.whole_output = True
             response = await complete(job)
         tokens += response["usage"]["completion_tokens"]  # after the await: no lost update
 

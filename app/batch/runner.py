@@ -193,8 +193,6 @@ class BatchRunner:
                 )
                 if job.stream:
                     raise APIError(400, "a batch line cannot stream", param="stream")
-                for request in job.requests:  # read once complete: one delta, not one a step
-                    request.whole_output = True
                 response = await complete(job)
             except Exception as exc:
                 error = to_api_error(exc, request_id)

@@ -265,6 +265,7 @@ def _job(
                 sampling=dataclasses.replace(sampling, seed=seed),
                 request_class=request_class,
                 tags=tags,
+                whole_output=not params.stream,  # read once complete: one delta, at the end
             ))  # fmt: skip
     extra: dict[str, Any] = {"tools": tools} if tools is not None else {}
     return GenerationJob(
