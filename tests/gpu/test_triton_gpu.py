@@ -19,6 +19,7 @@ import torch
 from kernels.interface import AttentionBackend, AttentionMetadata
 from kernels.kv_write import write_kv
 from kernels.reference import TorchReferenceBackend
+from tests.kernels.helpers import step_metadata
 
 pytestmark = [
     pytest.mark.gpu,
@@ -108,18 +109,8 @@ def make_step(
     old = torch.cat(slots)
     k_old, v_old = randn(len(old), kv_heads, head_dim), randn(len(old), kv_heads, head_dim)
     write_kv(k_old, v_old, k_cache, v_cache, old)
-    q_lens = [q for q, _ in shapes]
-    num_tokens = sum(q_lens)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    meta = AttentionMetadata(
-        cu_seqlens_q=cu.to(device),
-        seq_lens_k=torch.tensor([k for _, k in shapes], dtype=torch.int32, device=device),
-        block_table=table,
-        slot_mapping=torch.cat(new_slots),
-        max_seqlen_q=max(q_lens),
-        max_seqlen_k=max(k for _, k in shapes),
-        block_size=block_size,
-    )
+    num_tokens = sum(q for q, _ in shapes)
+    meta = step_metadata(shapes, table, torch.cat(new_slots), block_size, device)
     return Step(
         randn(num_tokens, heads, head_dim),
         randn(num_tokens, kv_heads, head_dim),

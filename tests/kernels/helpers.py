@@ -15,6 +15,27 @@ BLOCK = 16
 GARBAGE = 1e4  # cache contents past each sequence's length: huge but finite
 
 
+def step_metadata(
+    shapes: list[tuple[int, int]],
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """The metadata of one step over `shapes` ((q_len, k_len) per sequence, packed in order)."""
+    q_lens = [q for q, _ in shapes]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return AttentionMetadata(
+        cu_seqlens_q=cu.to(device),
+        seq_lens_k=torch.tensor([k for _, k in shapes], dtype=torch.int32, device=device),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(k for _, k in shapes),
+        block_size=block_size,
+    )
+
+
 @dataclass
 class PagedCase:
     q: torch.Tensor  # [T, H, d] packed queries
@@ -71,16 +92,7 @@ def make_case(
     width = max(blocks_per_seq)
     block_table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
     q_lens = [q for q, _ in shapes]
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    meta = AttentionMetadata(
-        cu_seqlens_q=cu,
-        seq_lens_k=torch.tensor([k for _, k in shapes], dtype=torch.int32),
-        block_table=block_table,
-        slot_mapping=torch.cat(slots),
-        max_seqlen_q=max(q_lens),
-        max_seqlen_k=max(k for _, k in shapes),
-        block_size=block_size,
-    )
+    meta = step_metadata(shapes, block_table, torch.cat(slots), block_size)
     return PagedCase(
         torch.cat(qs),
         torch.cat(k_new),
