@@ -35,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -77,6 +79,7 @@ class ReplicaClient:
         gate: BulkGate | None = None,
         transport: dict[str, Any] | None = None,
         final_delta_grace_s: float = 10.0,
+        reserve_s: float = 5.0,
     ) -> None:
         self.gate = gate
         self._stream = handle.options(stream=True, **(transport or {}))
@@ -88,6 +91,11 @@ class ReplicaClient:
         self._capacity = capacity
         self._grace_s = final_delta_grace_s
         self._inflight: dict[str, Any] = {}  # request id → the Serve call's response
+        # When each request admitted by `check_admission` passed it, until it starts (its
+        # `generate`): between the two it tokenizes, and a burst's requests all pass the check
+        # before the first one starts, so they count as in flight from the check on.
+        self._reserved: deque[float] = deque()
+        self._reserve_s = reserve_s
         self._owned_channel: ChannelServer | None = None  # started by `connect`
 
     @classmethod
@@ -148,7 +156,10 @@ class ReplicaClient:
     @contextlib.asynccontextmanager
     async def _admitted(self, request: Request) -> AsyncIterator[None]:
         """The early admission check, then (bulk) a place at the gate, held until the request
-        ends."""
+        ends. A place `check_admission` reserved is given back: from here the request counts
+        in flight itself (bulk: once past the gate, which bounds its own waiters)."""
+        if self._reserved:
+            self._reserved.popleft()
         if self._admit is not None:
             self._admit(request)
         gated = self.gate is not None and await self.gate.acquire(request.request_class)
@@ -242,9 +253,17 @@ class ReplicaClient:
 
     def check_admission(self, request_class: RequestClass, count: int) -> None:
         """`EngineClient.check_admission`: `capacity(request_class, count, in_flight)` with
-        this client's requests in flight (the ingress's `ClusterCache.check_capacity`)."""
-        if self._capacity is not None:
-            self._capacity(request_class, count, len(self._inflight))
+        this client's requests in flight (the ingress's `ClusterCache.check_capacity`),
+        counting those admitted here that have not started yet. An admitted request holds
+        its place until it starts or for `reserve_s` (one that fails before it starts, on a
+        bad prompt say, gives its place back then)."""
+        if self._capacity is None:
+            return
+        reserved, now = self._reserved, time.monotonic()
+        while reserved and reserved[0] <= now - self._reserve_s:
+            reserved.popleft()
+        self._capacity(request_class, count, len(self._inflight) + len(reserved))
+        reserved.extend([now] * count)
 
     def _backpressure_retry_s(self, request: Request) -> float | None:
         """The Retry-After for a refusal by Serve's own queue: the engine's rule, from the

@@ -16,7 +16,7 @@ from actors.replica_client import ReplicaClient
 from actors.settings import IngressSettings
 from actors.token_channel import ChannelPool
 from engine.errors import InvalidRequest, QueueFull, Unavailable
-from engine.request import FinishReason, Request, TokenDelta
+from engine.request import FinishReason, Request, RequestClass, TokenDelta
 
 
 class FakeResponse:
@@ -178,6 +178,36 @@ async def test_admission_refuses_before_anything_is_sent():
         await drain(client)
     assert handle.sent == []
     assert client.stats() == {"num_replicas": 2}
+
+
+async def test_admitted_requests_count_in_flight_from_the_check_until_they_start(monkeypatch):
+    """A burst's requests all pass the early check before the first one starts (each
+    tokenizes in between): each holds a place from its check on, handed over when it starts,
+    or given back after `reserve_s` if it never does."""
+    seen: list[int] = []
+
+    def capacity(request_class: RequestClass, count: int, in_flight: int) -> None:
+        seen.append(in_flight)
+        if in_flight + count > 3:
+            raise QueueFull("full", retry_after_s=1.0)
+
+    now = [100.0]
+    monkeypatch.setattr("actors.replica_client.time.monotonic", lambda: now[0])
+    response = FakeResponse([delta(1)], hang=True)
+    client = ReplicaClient(FakeHandle(response), capacity=capacity, reserve_s=5.0)
+    client.check_admission(RequestClass.INTERACTIVE, 2)  # n=2: two places
+    client.check_admission(RequestClass.INTERACTIVE, 1)
+    with pytest.raises(QueueFull):  # nothing has started, yet three places are taken
+        client.check_admission(RequestClass.INTERACTIVE, 1)
+    stream = client.generate(REQUEST)
+    await anext(stream)  # started: in flight itself, its place handed over
+    with pytest.raises(QueueFull):
+        client.check_admission(RequestClass.INTERACTIVE, 1)
+    assert seen == [0, 2, 3, 3]
+    now[0] += 5.0  # the two that never started give their places back
+    client.check_admission(RequestClass.INTERACTIVE, 1)
+    assert seen[-1] == 1
+    await stream.aclose()
 
 
 # -- the token-channel path (a real ChannelServer and replica-side pool over a Unix socket) --
