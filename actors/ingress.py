@@ -11,9 +11,12 @@ What it adds to the app, and nothing else:
 * `/metrics` renders this ingress's fresh metrics merged with the cached rest, so one scrape
   covers every replica and every ingress; an ingress's own metrics include its token
   channel's accepted connections by transport (unix: same node, tcp: another node);
-* a stalled HTTP reader can be cut: Serve's ASGI `send` never blocks (it queues messages for
-  the proxy, which stops taking them while its client does not read), so the outermost layer
-  (`_SendBacklog`) tells the SSE writer how long the oldest queued message has waited.
+* a stalled HTTP reader can be cut. Clients normally reach this deployment's own HTTP server
+  (Serve's direct ingress, serve_config.yaml), whose `send` blocks while the client does not
+  read, so the SSE writer's send timeout cuts it. Through Serve's proxy (the fallback port),
+  `send` never blocks (it queues messages for the proxy, which stops taking them while its
+  client does not read), so the outermost layer (`_SendBacklog`) tells the SSE writer how
+  long the oldest queued message has waited.
 
 Startup waits until a ModelReplica answers (and is warm) and, briefly, for the first view
 that lists it, so the first requests are not refused as "no replica".

@@ -179,3 +179,25 @@ def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, An
         else:
             merged[key] = value
     return merged
+
+
+# Serve's direct ingress, as a Serve config turns it on (`controller_options.runtime_env.
+# env_vars`; actors/serve_internals.py says what Serve does with each): every Ingress replica
+# serves HTTP itself, on the first free port of [MIN, MAX) on its node, and Serve's own proxy
+# keeps `http_options.port` as a fallback one hop longer. Clients use the former.
+SERVE_DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+SERVE_DIRECT_PORT_MIN = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
+SERVE_DIRECT_PORT_MAX = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
+SERVE_DEFAULT_PORT = 8000
+
+
+def serve_http_address(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Where clients reach the application of a Serve config (a parsed `serve_config.yaml`):
+    `host` from `http_options`, and `port` the Ingress's own when direct ingress is on, else
+    `http_options.port` (Serve's proxy). Keys the config leaves unset are absent."""
+    http = config.get("http_options") or {}
+    address = {k: http[k] for k in ("host", "port") if k in http}
+    env = ((config.get("controller_options") or {}).get("runtime_env") or {}).get("env_vars") or {}
+    if str(env.get(SERVE_DIRECT_INGRESS, "0")) == "1":
+        address["port"] = int(env.get(SERVE_DIRECT_PORT_MIN, 30000))  # Serve's own default
+    return address

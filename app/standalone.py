@@ -4,9 +4,10 @@
 
 Bare mode runs the same settings as Serve mode: it reads the `args` of the firstlight
 application in `serve_config.yaml` (`--config`, default ./serve_config.yaml when it exists)
-and its `http_options` host and port, skipping only the deployment sections (Serve's). Then
-`FIRSTLIGHT_*` environment settings apply, then the flags that were given. The model loads
-before the server listens; the engine loop starts with the app and stops with it.
+and the host and port its clients use (`app.settings.serve_http_address`), skipping only the
+deployment sections (Serve's). Then `FIRSTLIGHT_*` environment settings apply, then the
+flags that were given. The model loads before the server listens; the engine loop starts
+with the app and stops with it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from fastapi import FastAPI
 from app.batch.runner import BatchRunner
 from app.endpoint import ModelEndpoint
 from app.openai_server import build_app
-from app.settings import Settings, StandaloneSettings
+from app.settings import Settings, StandaloneSettings, serve_http_address
 from policies.base import create
 from policies.bulk_throttle import BulkThrottle, bulk_room
 
@@ -39,13 +40,12 @@ _ENGINE_FLAGS = ("model", "device", "dtype")  # flags that set `engine.<name>`
 
 def read_serve_config(path: Path) -> dict[str, Any]:
     """The firstlight application's `args` in a Serve config file, minus the Serve-only
-    sections, with `host` and `port` from its `http_options`."""
+    sections, with the `host` and `port` its clients use (`serve_http_address`)."""
     config = yaml.safe_load(path.read_text()) or {}
     apps = [a for a in config.get("applications", ()) if a.get("import_path") == APP_IMPORT_PATH]
     if len(apps) != 1:
         raise ValueError(f"{path}: expected one application with import_path {APP_IMPORT_PATH}")
-    http = config.get("http_options") or {}
-    return {**{k: http[k] for k in ("host", "port") if k in http}, **bare_args(apps[0].get("args"))}
+    return {**serve_http_address(config), **bare_args(apps[0].get("args"))}
 
 
 def bare_args(args: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -40,7 +40,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PROMPT = "Can I pause my annual subscription?"
 
-from bench.overhead import free_port, log, percentile, start_ray_serve, stop_serve  # noqa: E402
+from bench.overhead import (  # noqa: E402
+    free_port,
+    log,
+    percentile,
+    start_ray_serve,
+    stop_serve,
+    wait_ready,
+)
 
 
 def start_serve(args: dict[str, Any], port: int, temp_dir: str) -> None:
@@ -51,6 +58,7 @@ def start_serve(args: dict[str, Any], port: int, temp_dir: str) -> None:
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     start_ray_serve("firstlight-bench-admission", port, config.get("controller_options"), temp_dir)
     serve.run(application(load_config(args)), name="firstlight", route_prefix="/")
+    wait_ready(f"http://127.0.0.1:{port}")
 
 
 def body(max_tokens: int, tier: str | None = None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from bench.overhead import (
     serve_config,
     start_ray_serve,
     stop_serve,
+    wait_ready,
 )
 from demo.corpus import SHOWCASE_PROMPTS
 
@@ -182,6 +183,7 @@ def main() -> None:
         try:
             serve.run(application(load_config(args)), name="firstlight", route_prefix="/")
             base = f"http://127.0.0.1:{port}"
+            wait_ready(base)
             client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=2)
             asyncio.run(chat_ttfts(base, 3))  # warm-up
             quiet = asyncio.run(chat_ttfts(base, opts.chat_s))

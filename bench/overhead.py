@@ -7,9 +7,10 @@ Starts (and stops) its own Ray on 127.0.0.1 with the application of `serve_confi
 server (`app.standalone` built from the same args, under uvicorn, in a subprocess) and a
 no-op two-deployment Serve stream, then measures with a raw streaming HTTP client:
 
-  ray_floor_ms              TTFB p50 of the no-op stream: HTTP proxy → ingress deployment →
-                            a second deployment that yields one item, streamed back (same
-                            proxy and handle transport options as the app)
+  ray_floor_ms              TTFB p50 of the no-op stream: HTTP → ingress deployment → a
+                            second deployment that yields one item, streamed back (the
+                            ingress serves HTTP itself and calls with the handle transport
+                            options of the app, as serve_config.yaml's Ingress does)
   ttft_serve_minus_bare_ms  TTFT p50 at concurrency 1 (streamed chat), Serve − bare
                             (target <= ray_floor_ms + 3)
   itl_p99_ratio_c8          ITL p99 (gaps between token chunks) at concurrency 8, Serve / bare
@@ -53,6 +54,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports free on 127.0.0.1 (several ingresses' ports)."""
+    for _ in range(100):
+        first = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(first, first + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
 
 
 def serve_config() -> dict[str, Any]:
@@ -136,17 +152,31 @@ def start_serve(args: dict[str, Any], port: int, controller: dict | None, temp_d
             async def stream() -> StreamingResponse:
                 return StreamingResponse(leaf.generate.remote(), media_type="text/event-stream")
 
+            @app.get("/health")
+            async def health() -> dict[str, str]:
+                return {"status": "ok"}
+
             return app
 
-    start_ray_serve("firstlight-bench-overhead", port, controller, temp_dir)
+    # the floor's ingress serves HTTP itself too, on the port after the app's
+    start_ray_serve("firstlight-bench-overhead", port, controller, temp_dir, ingresses=2)
     serve.run(application(config), name="firstlight", route_prefix="/")
+    wait_ready(f"http://127.0.0.1:{port}")
     serve.run(FloorIngress.bind(FloorLeaf.bind()), name="floor", route_prefix="/floor")
+    wait_ready(f"http://127.0.0.1:{port + 1}/floor")
 
 
-def start_ray_serve(namespace: str, port: int, controller: dict | None, temp_dir: str) -> None:
-    """A private Ray on this machine with Serve's HTTP proxy on 127.0.0.1:`port`."""
+def start_ray_serve(
+    namespace: str, port: int, controller: dict | None, temp_dir: str, ingresses: int = 1
+) -> None:
+    """A private Ray on this machine whose applications serve HTTP on 127.0.0.1:`port` (the
+    first ingress deployed; the next `ingresses - 1` take the following ports), as
+    serve_config.yaml does on 8000 (Serve's direct ingress); Serve's own proxy, the
+    fallback, on a free port."""
     import ray
     from ray import serve
+
+    from actors.serve_internals import with_ingress_port
 
     os.environ["PYTHONPATH"] = str(ROOT)  # replicas import actors/, app/, engine/
     # Ray starts workers at nice 15 by default; the bare server runs at 0. Serving processes
@@ -160,7 +190,19 @@ def start_ray_serve(namespace: str, port: int, controller: dict | None, temp_dir
         log_to_driver=False,
         _temp_dir=temp_dir,
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller)
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": free_port()},
+        controller_options=with_ingress_port(controller, port, ingresses),
+    )
+
+
+def wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    """Until the application at `url` answers `/health` (its HTTP server starts listening
+    just after `serve.run` returns)."""
+    from app.playground.announce import wait_until_up
+
+    if not wait_until_up(url, timeout_s):
+        raise RuntimeError(f"{url}/health did not answer within {timeout_s:.0f} s")
 
 
 def stop_serve() -> None:
@@ -214,7 +256,7 @@ async def itl_gaps_ms(client: httpx.AsyncClient, url: str, body: dict, c: int) -
 
 
 async def measure(
-    serve_url: str, bare_url: str, model: str, opts: argparse.Namespace
+    serve_url: str, floor_url: str, bare_url: str, model: str, opts: argparse.Namespace
 ) -> dict[str, float]:
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
@@ -223,10 +265,10 @@ async def measure(
         for base in (serve_url, bare_url):
             await ttfb_ms(client, base + chat, chat_body(model, 4), 5)
             await itl_gaps_ms(client, base + chat, chat_body(model, 16), 8)
-        await ttfb_ms(client, serve_url + "/floor/", None, 5)
+        await ttfb_ms(client, floor_url, None, 5)
 
         log(f"ray floor: {opts.ttft_requests} no-op streams")
-        floor = await ttfb_ms(client, serve_url + "/floor/", None, opts.ttft_requests)
+        floor = await ttfb_ms(client, floor_url, None, opts.ttft_requests)
 
         log(f"TTFT at c=1: {opts.ttft_requests} streamed chats each, alternating")
         ttft: dict[str, list[float]] = {"serve": [], "bare": []}
@@ -286,7 +328,7 @@ def main() -> None:
     threads = os.environ.get("OMP_NUM_THREADS") or str(
         max(1, int(args.get("replica", {}).get("num_cpus", 1)))
     )
-    port = free_port()
+    port = free_ports(2)  # the app's, then the floor's
     temp_dir = tempfile.mkdtemp(prefix="fl-bench-ray-")
     bare = None
     try:
@@ -294,7 +336,8 @@ def main() -> None:
         bare, bare_url = start_bare(args, threads)
         start_serve(args, port, serve_config().get("controller_options"), temp_dir)
         model = args.get("served_model_name", "demo")
-        result = asyncio.run(measure(f"http://127.0.0.1:{port}", bare_url, model, opts))
+        serve_url, floor_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}/floor/"
+        result = asyncio.run(measure(serve_url, floor_url, bare_url, model, opts))
     finally:
         if bare is not None:
             bare.terminate()

@@ -61,6 +61,7 @@ from bench.overhead import (  # noqa: E402
     serve_config,
     start_ray_serve,
     stop_serve,
+    wait_ready,
 )
 from bench.routing import run_policy  # noqa: E402
 from locustfiles.prompts import QUESTIONS  # noqa: E402
@@ -108,13 +109,14 @@ def config_args(
     return args
 
 
-def deploy(args: dict[str, Any], what: str) -> None:
+def deploy(args: dict[str, Any], what: str, url: str) -> None:
     from ray import serve
 
     from actors.builder import application, load_config
 
     log(f"{what}: deploying")
     serve.run(application(load_config(args)), name="firstlight", route_prefix="/")
+    wait_ready(url)
 
 
 def undeploy() -> None:
@@ -460,10 +462,10 @@ def main() -> None:
         )
         if "mixed" not in opts.skip:
             for name, baseline in (("defaults", False), ("fcfs + round robin", True)):
-                deploy(config_args(baseline=baseline), f"mixed load, {name}")
+                deploy(config_args(baseline=baseline), f"mixed load, {name}", url)
                 mixed[name] = asyncio.run(mixed_load(url, opts, opts.chat_rate))
                 undeploy()
-            deploy(config_args(), "bulk alone, defaults")
+            deploy(config_args(), "bulk alone, defaults", url)
             alone = asyncio.run(mixed_load(url, opts, 0.0))
             undeploy()
             cutoff = opts.duration + opts.drain
@@ -492,7 +494,9 @@ def main() -> None:
             warm, prompts = sessions(opts)
             prefix: dict[str, dict] = {}
             for name, routing in (("defaults", None), ("round_robin", "round_robin")):
-                deploy(config_args(routing=routing, kv_mib=opts.kv_mib), f"prefix-heavy, {name}")
+                deploy(
+                    config_args(routing=routing, kv_mib=opts.kv_mib), f"prefix-heavy, {name}", url
+                )
                 prefix[name] = asyncio.run(run_policy(url, prompts, warm))
                 log(f"prefix-heavy, {name}: {prefix[name]}")
                 undeploy()
@@ -512,7 +516,7 @@ def main() -> None:
                 "downscale_delay_s": 8,
                 "look_back_period_s": 4,
             }
-            deploy(config_args(replicas=(1, 2), autoscaling=scaling), "autoscale step load")
+            deploy(config_args(replicas=(1, 2), autoscaling=scaling), "autoscale step load", url)
             scale = asyncio.run(step_load(url, opts))
             undeploy()
             out |= {

@@ -36,7 +36,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.overhead import app_args, free_port, log, percentile, serve_config  # noqa: E402
+from bench.overhead import (  # noqa: E402
+    app_args,
+    free_port,
+    log,
+    percentile,
+    serve_config,
+    wait_ready,
+)
 
 
 def workload(opts: argparse.Namespace) -> list[list[int]]:
@@ -102,6 +109,7 @@ def main() -> None:
     from ray import serve
 
     from actors.builder import application, load_config
+    from actors.serve_internals import with_ingress_port
 
     prompts = workload(opts)
     seen: dict[int, list[int]] = {}
@@ -124,9 +132,9 @@ def main() -> None:
             log_to_driver=False,
             _temp_dir=temp_dir,
         )
-        serve.start(
-            http_options={"host": "127.0.0.1", "port": port},
-            controller_options=serve_config().get("controller_options"),
+        serve.start(  # clients on `port` (the Ingress's own server), Serve's proxy elsewhere
+            http_options={"host": "127.0.0.1", "port": free_port()},
+            controller_options=with_ingress_port(serve_config().get("controller_options"), port),
         )
         for policy in ("least_loaded", "prefix_affinity"):
             args = app_args()
@@ -144,6 +152,7 @@ def main() -> None:
             args["policies"] = {**args.get("policies", {}), "routing": policy}
             log(f"{policy}: starting 2 replicas")
             serve.run(application(load_config(args)), name="firstlight", route_prefix="/")
+            wait_ready(url)
             log(f"{policy}: {len(warm)} warm-up + {len(prompts)} measured requests")
             results[policy] = asyncio.run(run_policy(url, prompts, warm))
             log(f"{policy}: {results[policy]}")

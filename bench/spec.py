@@ -46,6 +46,7 @@ from bench.overhead import (
     serve_config,
     start_ray_serve,
     stop_serve,
+    wait_ready,
 )
 from demo.corpus import SHOWCASE_PROMPTS
 from demo.evaluate import chat_prompt
@@ -212,6 +213,7 @@ def serve_tpot_ratio(port: int, n: int) -> float:
         args["replica"] = {**args.get("replica", {}), "autoscaling": {"max_replicas": 1}}
         serve.run(application(load_config(args)), name="firstlight", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
+        wait_ready(base)
         results[label] = asyncio.run(tpot_p50(base, n, speculating=method != "off"))
         log(f"serve TPOT p50 speculation {label}: {results[label] * 1e3:.2f} ms")
         serve.delete("firstlight")

@@ -5,8 +5,8 @@ python scripts/two_node.py token PATH
 python scripts/two_node.py config SRC DST --http-port PORT
     DST: serve_config.yaml SRC with the two-node placement: model replicas need the
     `node2` resource, every other deployment the `head` resource. Everything firstlight
-    listens on is 127.0.0.1: HTTP on PORT, the token channel's and the DraftReplica's
-    TCP listeners (the nodes share the host's loopback).
+    listens on is 127.0.0.1: HTTP on PORT (Serve's fallback proxy on PORT + 100), the token
+    channel's and the DraftReplica's TCP listeners (the nodes share the host's loopback).
 python scripts/two_node.py wait --http-port PORT --dashboard-port PORT [--timeout-s S]
     Until GET /health answers 200 (the ingress is up, so a model replica is); fails at
     once when Serve reports the application DEPLOY_FAILED, with Serve's message. Reads
@@ -35,6 +35,10 @@ from typing import Any
 import psutil
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.serve_internals import with_ingress_port
+
 HEAD = {"head": 0.01}
 NODE2 = {"node2": 0.01}
 HEAD_SECTIONS = ("ingress", "control_plane", "draft_replica", "batch_jobs")
@@ -42,9 +46,11 @@ HEAD_SECTIONS = ("ingress", "control_plane", "draft_replica", "batch_jobs")
 
 def two_node_config(config: dict[str, Any], http_port: int) -> dict[str, Any]:
     """`config` (a parsed serve_config.yaml) with the two-node placement, firstlight's
-    listeners on 127.0.0.1, and HTTP on `http_port`."""
+    listeners on 127.0.0.1, and HTTP on `http_port` (the Ingress's own server; Serve's
+    fallback proxy on `http_port + 100`, as 8000 and 8100 in serve_config.yaml)."""
     config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1"}
-    config["http_options"]["port"] = http_port
+    config["http_options"]["port"] = http_port + 100
+    config["controller_options"] = with_ingress_port(config.get("controller_options"), http_port)
     for app in config["applications"]:
         args = app.setdefault("args", {})
         args.setdefault("replica", {})["resources"] = NODE2

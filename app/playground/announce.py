@@ -18,9 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from app.settings import SERVE_DEFAULT_PORT
 from app.standalone import DEFAULT_CONFIG, read_serve_config
-
-SERVE_DEFAULT_PORT = 8000
 
 
 def base_url(config: Path) -> str:
@@ -44,7 +43,8 @@ def alive(pid: int | None) -> bool:
 
 
 def wait_until_up(url: str, timeout_s: float, while_pid: int | None = None) -> bool | None:
-    """True once `/health` answers 200; False after `timeout_s`; None if `while_pid` left."""
+    """True once `/health` answers 200 (polled every 0.2 s); False after `timeout_s`; None if
+    `while_pid` left."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive(while_pid):
@@ -54,7 +54,7 @@ def wait_until_up(url: str, timeout_s: float, while_pid: int | None = None) -> b
                 return True
         except httpx.HTTPError:
             pass
-        time.sleep(1.0)
+        time.sleep(0.2)
     return False
 
 

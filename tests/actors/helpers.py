@@ -51,21 +51,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class AppURL(str):
+    """The base URL clients use (the Ingress's own HTTP server: Serve's direct ingress), with
+    `.proxy`, the same application through Serve's proxy (the fallback)."""
+
+    proxy: str
+
+
 @contextlib.contextmanager
-def serve_app(config: AppConfig, namespace: str) -> Iterator[str]:
+def serve_app(config: AppConfig, namespace: str) -> Iterator[AppURL]:
     """The application on a real, private Ray (127.0.0.1, 2 CPUs) with the controller options
-    of serve_config.yaml; yields its base URL and shuts Ray down (its own processes) after."""
+    of serve_config.yaml, on free ports; yields its URLs once it answers and shuts Ray down
+    (its own processes) after."""
     require_demo_model()
     import ray
     from ray import serve
 
     from actors.builder import application
+    from actors.serve_internals import with_ingress_port
+    from app.playground.announce import wait_until_up
 
-    controller = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"]
+    port, proxy_port = free_port(), free_port()
+    controller = with_ingress_port(
+        yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"], port
+    )
     temp_dir = tempfile.mkdtemp(prefix="fl-test-ray-")
     old_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old_path]))
-    port = free_port()
     ray.init(
         address="local",
         namespace=namespace,
@@ -75,9 +87,14 @@ def serve_app(config: AppConfig, namespace: str) -> Iterator[str]:
         _temp_dir=temp_dir,
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller)
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": proxy_port}, controller_options=controller
+        )
         serve.run(application(config), name="firstlight", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        url = AppURL(f"http://127.0.0.1:{port}")
+        url.proxy = f"http://127.0.0.1:{proxy_port}"
+        assert wait_until_up(url, timeout_s=30), f"{url}/health never answered"
+        yield url
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()

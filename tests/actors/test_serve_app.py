@@ -133,6 +133,21 @@ async def test_models_health_and_chat_through_the_sdk(base_url):
     assert len({c.id for c in chunks}) == 1
 
 
+async def test_the_proxy_port_serves_the_same_api(base_url):
+    """Clients use the Ingress's own server; Serve's proxy (the fallback port) answers the
+    same, and both send one x-request-id, the client's own when it sent one."""
+    direct = await sdk(base_url).chat.completions.create(**chat())
+    proxied = await sdk(base_url.proxy).chat.completions.create(**chat())
+    assert proxied.choices[0].message.content == direct.choices[0].message.content  # greedy
+    for url in (base_url, base_url.proxy):
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.post(
+                "/v1/chat/completions", json=chat(), headers={"x-request-id": "req-mine"}
+            )
+        assert r.status_code == 200, (url, r.text)
+        assert r.headers.get_list("x-request-id") == ["req-mine"], url
+
+
 async def test_a_json_schema_and_a_forced_tool_call_cross_ray(base_url):
     """The grammar travels with the request to the model replica, which enforces it."""
     client = sdk(base_url)
@@ -385,13 +400,20 @@ async def test_a_slow_reader_does_not_hold_the_replica(base_url):
     assert sum(bool(e["choices"] and e["choices"][0]["delta"].get("content")) for e in events) > 1
 
 
-async def test_a_stalled_reader_is_cut_and_its_requests_aborted(base_url):
+@pytest.mark.parametrize("port", ["ingress", "proxy"])
+async def test_a_stalled_reader_is_cut_and_its_requests_aborted(base_url, port, request):
     """A client that reads the headers and then nothing, with a tiny receive window, while
     its 4 choices stream long answers with 20 top logprobs per token (~10 MB in all).
 
-    Once the socket and the proxy's buffers are full, the proxy stops taking the ingress's
-    messages; when the oldest has waited past the stall limit the ingress cuts the stream and
-    every choice is aborted in the replica long before its max_tokens."""
+    On the Ingress's own port, once the socket's buffers are full its `send` blocks past the
+    stall limit. Through Serve's proxy (the fallback port), once the socket and the proxy's
+    buffers are full the proxy stops taking the ingress's messages, and the oldest waits past
+    the limit. Either way the ingress cuts the stream and every choice is aborted in the
+    replica long before its max_tokens. (The proxy path is checked on one token path.)"""
+    if port == "proxy":
+        if request.node.callspec.params["base_url"] != "channel":
+            pytest.skip("the proxy path is checked on the channel token path")
+        base_url = base_url.proxy
     stats = await replica_stats()
     cancelled_before, generated_before = stats.engine.num_cancelled, stats.engine.generation_tokens
     async with httpx.AsyncClient(base_url=base_url) as client:

@@ -31,7 +31,9 @@ from actors.serve_internals import (
     replica_queue_lengths,
     router_app_name,
     serve_send_queue,
+    with_ingress_port,
 )
+from app.settings import serve_http_address
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -204,6 +206,44 @@ def test_the_serve_env_vars_serve_config_sets_are_read_by_serve():
     assert set(env) == set(CONTROLLER_ENV_VARS)  # each documented in serve_internals
 
 
+def test_serve_hands_ingress_ports_from_the_range_the_env_vars_set():
+    """Serve's controller allocates a direct-ingress replica's port from [MIN, MAX) of the
+    environment it started with; serve_config.yaml's MIN is the port clients use."""
+    from ray.serve._private import constants
+    from ray.serve._private.node_port_manager import PortAllocator
+
+    need(
+        {"RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"}
+        <= set(vars(constants)),
+        "ray.serve._private.constants direct-ingress settings",
+        "are gone",
+    )
+    allocator = PortAllocator(18123, 18125, "HTTP", "node")
+    need(
+        [allocator.allocate(f"replica-{i}") for i in range(2)] == [18123, 18124],
+        "ray.serve._private.node_port_manager.PortAllocator",
+        "no longer hands out the lowest free port first",
+    )
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    assert serve_http_address(config) == {"host": "127.0.0.1", "port": 8000}
+    assert config["http_options"]["port"] != 8000  # Serve's proxy: the fallback
+
+
+def test_with_ingress_port_sets_the_range_and_keeps_the_rest():
+    shipped = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"]
+    options = with_ingress_port(shipped, 18123, replicas=2)
+    env = options["runtime_env"]["env_vars"]
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "18123"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "18125"  # exclusive: two ports
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert {k: v for k, v in env.items() if "_HTTP_PORT" not in k} == {
+        k: v for k, v in shipped["runtime_env"]["env_vars"].items() if "_HTTP_PORT" not in k
+    }
+    assert shipped["runtime_env"]["env_vars"]["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8000"
+    bare = with_ingress_port(None, 9000)["runtime_env"]["env_vars"]
+    assert bare["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "9001"
+
+
 # -- bound applications (tests) ---------------------------------------------------------------
 
 
@@ -243,6 +283,7 @@ def test_every_helper_is_covered_here():
         "put_cluster_record",
         "cluster_record",
         "router_app_name",
+        "with_ingress_port",
     }
 
 

@@ -14,6 +14,7 @@ import yaml
 
 from actors.builder import application, load_config
 from actors.serve_internals import bound_deployment
+from app.settings import serve_http_address
 from tests.scripts.helpers import ROOT, SCRIPT, two_node
 
 
@@ -45,7 +46,14 @@ def test_the_deployed_config_pins_replicas_to_node2_and_the_rest_to_the_head(tmp
     two_node().write_config(ROOT / "serve_config.yaml", dst, http_port=18123)
     deployed = yaml.safe_load(dst.read_text())
     shipped = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    assert deployed["http_options"] == {"host": "127.0.0.1", "port": 18123}
+    assert serve_http_address(deployed) == {"host": "127.0.0.1", "port": 18123}
+    assert deployed["http_options"] == {"host": "127.0.0.1", "port": 18223}  # the proxy
+    env = deployed["controller_options"]["runtime_env"]["env_vars"]
+    assert env == {
+        **shipped["controller_options"]["runtime_env"]["env_vars"],
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "18123",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "18124",
+    }
     (app,) = deployed["applications"]
     config = load_config(app["args"])  # what `serve deploy` hands build_app: valid
     assert config.replica.resources == {"node2": 0.01}
