@@ -199,7 +199,7 @@ async def tpot_p50(base: str, n: int, speculating: bool) -> float:
 
 def serve_tpot_ratio(port: int, n: int) -> float:
     """TPOT p50 of the serve_config.yaml app with its DraftReplica / with speculation off,
-    through Serve's HTTP proxy on `port`."""
+    from the app's HTTP server on `port` (the Ingress's own, as serve_config.yaml serves it)."""
     from ray import serve
 
     from actors.builder import application, load_config
