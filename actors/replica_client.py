@@ -80,6 +80,7 @@ class ReplicaClient:
         transport: dict[str, Any] | None = None,
         final_delta_grace_s: float = 10.0,
         reserve_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.gate = gate
         self._stream = handle.options(stream=True, **(transport or {}))
@@ -96,6 +97,7 @@ class ReplicaClient:
         # before the first one starts, so they count as in flight from the check on.
         self._reserved: deque[float] = deque()
         self._reserve_s = reserve_s
+        self._clock = clock
         self._owned_channel: ChannelServer | None = None  # started by `connect`
 
     @classmethod
@@ -255,15 +257,20 @@ class ReplicaClient:
         """`EngineClient.check_admission`: `capacity(request_class, count, in_flight)` with
         this client's requests in flight (the ingress's `ClusterCache.check_capacity`),
         counting those admitted here that have not started yet. An admitted request holds
-        its place until it starts or for `reserve_s` (one that fails before it starts, on a
-        bad prompt say, gives its place back then)."""
+        its place until it starts, until `release_admission` (one that fails before it
+        starts, on a bad prompt say), or for `reserve_s` at most."""
         if self._capacity is None:
             return
-        reserved, now = self._reserved, time.monotonic()
+        reserved, now = self._reserved, self._clock()
         while reserved and reserved[0] <= now - self._reserve_s:
             reserved.popleft()
         self._capacity(request_class, count, len(self._inflight) + len(reserved))
         reserved.extend([now] * count)
+
+    def release_admission(self, count: int) -> None:
+        """`EngineClient.release_admission`: the newest `count` places are given back."""
+        for _ in range(min(count, len(self._reserved))):
+            self._reserved.pop()
 
     def _backpressure_retry_s(self, request: Request) -> float | None:
         """The Retry-After for a refusal by Serve's own queue: the engine's rule, from the

@@ -248,6 +248,10 @@ class AsyncEngine:
         untaken = self._untaken.plus(request_class, max(0, count - 1))
         self.admission.check(request_class, self._waiting_with(untaken))
 
+    def release_admission(self, count: int) -> None:
+        """`EngineClient.release_admission`: nothing to give back (`attach` counts each
+        request when it comes)."""
+
     def detach(self, request_id: str, *, abort: bool) -> None:
         """Forget the request's slot; `abort` (its reader left early) also aborts the request
         within one engine step, returning its KV blocks."""

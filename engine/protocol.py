@@ -24,7 +24,14 @@ class EngineClient(Protocol):
         """Raise `QueueFull` (with the engine rule's Retry-After) at once when `count` more
         requests of `request_class` would be refused now. A cheap local estimate made before
         any tokenizing, so an overloaded server answers 429 without doing the work of a
-        request it cannot take; `generate` still has the engine's own decision."""
+        request it cannot take; `generate` still has the engine's own decision. A client
+        may hold the `count` places for the requests until they start; a caller whose
+        requests will not start after all (a bad prompt) calls `release_admission`."""
+        ...
+
+    def release_admission(self, count: int) -> None:
+        """Give back places `check_admission` took for `count` requests that will not
+        start."""
         ...
 
     def stats(self) -> EngineStats:

@@ -18,9 +18,10 @@ bad input, 404 for an unknown model); nothing is sent to an engine until all pas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -114,17 +115,18 @@ class OpenAILayer:
                 )
             grammar = forced
         endpoint, request_class, base = self._admit(params, body, headers, 1, None)
-        if grammar is not None:
-            await endpoint.check_grammar(grammar)
-            base = dataclasses.replace(base, grammar=grammar)
-        tokenizer = endpoint.tokenizer
-        prompt = await encode_chat(
-            tokenizer, params.messages, endpoint.prompt_byte_limit, endpoint.max_model_len,
-            tools.template_tools() if tools is not None else None,
-        )  # fmt: skip
-        return _job(params, endpoint, request_class, base, [prompt], request_id,
-                    ChatRenderer, default_max_tokens=None, prompt_param="messages",
-                    tools=tools)  # fmt: skip
+        with _released_on_failure(endpoint, params.n):
+            if grammar is not None:
+                await endpoint.check_grammar(grammar)
+                base = dataclasses.replace(base, grammar=grammar)
+            tokenizer = endpoint.tokenizer
+            prompt = await encode_chat(
+                tokenizer, params.messages, endpoint.prompt_byte_limit, endpoint.max_model_len,
+                tools.template_tools() if tools is not None else None,
+            )  # fmt: skip
+            return _job(params, endpoint, request_class, base, [prompt], request_id,
+                        ChatRenderer, default_max_tokens=None, prompt_param="messages",
+                        tools=tools)  # fmt: skip
 
     async def _completion(
         self, body: Mapping[str, Any], headers: Mapping[str, str], request_id: str
@@ -141,12 +143,14 @@ class OpenAILayer:
         if params.best_of is not None and params.best_of != params.n:
             raise bad_request("best_of other than n is not supported", "best_of")
         endpoint, request_class, base = self._admit(params, body, headers, len(params.prompt), 16)
-        if grammar is not None:
-            await endpoint.check_grammar(grammar)
-            base = dataclasses.replace(base, grammar=grammar)
-        prompts = [await _completion_prompt(endpoint, p) for p in params.prompt]
-        return _job(params, endpoint, request_class, base, prompts, request_id,
-                    CompletionRenderer, default_max_tokens=16, prompt_param="prompt")  # fmt: skip
+        with _released_on_failure(endpoint, len(params.prompt) * params.n):
+            if grammar is not None:
+                await endpoint.check_grammar(grammar)
+                base = dataclasses.replace(base, grammar=grammar)
+            prompts = [await _completion_prompt(endpoint, p) for p in params.prompt]
+            return _job(params, endpoint, request_class, base, prompts, request_id,
+                        CompletionRenderer, default_max_tokens=16,
+                        prompt_param="prompt")  # fmt: skip
 
     def _admit(
         self,
@@ -169,10 +173,6 @@ class OpenAILayer:
                 "n" if params.n > 1 else "prompt",
             )
         request_class = self.classifier.classify(headers, body)
-        try:  # before any tokenizing: an overloaded server refuses at once
-            endpoint.client.check_admission(request_class, wanted)
-        except QueueFull as exc:
-            raise to_api_error(exc) from None
         requested = params.requested_max_tokens()
         provisional = requested if requested is not None else default_max_tokens
         base = params.sampling_params(
@@ -183,7 +183,22 @@ class OpenAILayer:
         if base.seed is not None:  # each choice's derived seed must pass too
             for i in range(1, params.n):
                 dataclasses.replace(base, seed=choice_seed(base.seed, i)).validate()
+        try:  # last, before any tokenizing: an overloaded server refuses at once
+            endpoint.client.check_admission(request_class, wanted)
+        except QueueFull as exc:
+            raise to_api_error(exc) from None
         return endpoint, request_class, base
+
+
+@contextlib.contextmanager
+def _released_on_failure(endpoint: ModelEndpoint, count: int) -> Iterator[None]:
+    """The places `check_admission` took for `count` requests go back if they will not start
+    (a bad prompt, grammar or tool call found after the check)."""
+    try:
+        yield
+    except BaseException:
+        endpoint.client.release_admission(count)
+        raise
 
 
 def _parse(model: type[M], body: Mapping[str, Any]) -> M:

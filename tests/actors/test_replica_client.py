@@ -180,7 +180,7 @@ async def test_admission_refuses_before_anything_is_sent():
     assert client.stats() == {"num_replicas": 2}
 
 
-async def test_admitted_requests_count_in_flight_from_the_check_until_they_start(monkeypatch):
+async def test_admitted_requests_count_in_flight_from_the_check_until_they_start():
     """A burst's requests all pass the early check before the first one starts (each
     tokenizes in between): each holds a place from its check on, handed over when it starts,
     or given back after `reserve_s` if it never does."""
@@ -192,9 +192,10 @@ async def test_admitted_requests_count_in_flight_from_the_check_until_they_start
             raise QueueFull("full", retry_after_s=1.0)
 
     now = [100.0]
-    monkeypatch.setattr("actors.replica_client.time.monotonic", lambda: now[0])
     response = FakeResponse([delta(1)], hang=True)
-    client = ReplicaClient(FakeHandle(response), capacity=capacity, reserve_s=5.0)
+    client = ReplicaClient(
+        FakeHandle(response), capacity=capacity, reserve_s=5.0, clock=lambda: now[0]
+    )
     client.check_admission(RequestClass.INTERACTIVE, 2)  # n=2: two places
     client.check_admission(RequestClass.INTERACTIVE, 1)
     with pytest.raises(QueueFull):  # nothing has started, yet three places are taken
@@ -205,6 +206,12 @@ async def test_admitted_requests_count_in_flight_from_the_check_until_they_start
         client.check_admission(RequestClass.INTERACTIVE, 1)
     assert seen == [0, 2, 3, 3]
     now[0] += 5.0  # the two that never started give their places back
+    client.check_admission(RequestClass.INTERACTIVE, 1)
+    assert seen[-1] == 1
+    client.release_admission(1)  # that one failed before it started (a bad prompt, say)
+    client.check_admission(RequestClass.INTERACTIVE, 2)
+    assert seen[-1] == 1
+    client.release_admission(5)  # never more than are held
     client.check_admission(RequestClass.INTERACTIVE, 1)
     assert seen[-1] == 1
     await stream.aclose()

@@ -81,12 +81,16 @@ class FakeEngine:
     requests: list[Request] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
+    released: int = 0  # places given back by `release_admission`
 
     def _script_for(self, request: Request) -> Script:
         return self.script(request) if callable(self.script) else self.script
 
     def check_admission(self, request_class: RequestClass, count: int) -> None:
         """The fake admits everything up front; its scripts refuse in `generate`."""
+
+    def release_admission(self, count: int) -> None:
+        self.released += count
 
     async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
         self.requests.append(request)

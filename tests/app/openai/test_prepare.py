@@ -152,3 +152,17 @@ async def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing():
     error = await refused(layer, chat(messages=[{"role": "user", "content": huge}]))
     assert (error.param, error.code) == ("messages", "context_length_exceeded")
     assert tokenizer.encoded == []
+
+
+async def test_places_the_early_check_took_go_back_when_a_request_fails_after_it():
+    """The check holds a place per engine request until it starts: a body refused after the
+    check (here, prompts that cannot fit) gives every one of them back; a good one keeps
+    them for its engine requests."""
+    layer, engine = make_layer()
+    huge = "Hello there! " * 300_000
+    await refused(layer, {"prompt": ["ok", huge], "n": 3}, route=Route.COMPLETIONS)
+    assert engine.released == 6  # 2 prompts × n=3
+    await refused(layer, chat(messages=[{"role": "user", "content": huge}], n=2))
+    assert engine.released == 8
+    await layer.prepare(Route.CHAT, chat(n=2), headers={}, request_id="r2")
+    assert engine.released == 8
