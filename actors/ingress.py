@@ -107,8 +107,9 @@ class Ingress:
 
 
 class _OneRequestIdHeader:
-    """The Serve proxy echoes `x-request-id` on every response itself (the same id the app
-    read from the request), so the app's own copy is dropped to send the header once."""
+    """Serve echoes `x-request-id` on every response itself, from its proxy and from the
+    Ingress's own HTTP server alike (the same id the app read from the request), so the
+    app's own copy is dropped to send the header once."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

@@ -39,8 +39,9 @@ from app.settings import SERVE_DIRECT_INGRESS, SERVE_DIRECT_PORT_MAX, SERVE_DIRE
 #   use (`app.settings.serve_http_address`).
 # * RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0: a stopping Ingress finishes its requests
 #   but does not stay open the default 30 s for a load balancer that is not there.
-# * RAY_SERVE_PORT_QUARANTINE_S=0: a restarted Ingress takes its port back at once (by
-#   default a freed port rests 150 s, and the replacement would listen elsewhere).
+# * RAY_SERVE_PORT_QUARANTINE_S=0: a restarted Ingress takes its port back as soon as the
+#   old one has let it go (by default a freed port rests 150 s, and with one port in the
+#   range the replacement could not start meanwhile).
 # * RAY_SERVE_PROXY_USE_GRPC=1: the fallback proxy forwards to the ingress over Serve's gRPC
 #   channel instead of Ray actor calls;
 # * RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 and RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0:

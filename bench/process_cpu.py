@@ -5,7 +5,8 @@
 Starts what `bench/overhead.py` starts (the app of `serve_config.yaml` on its own Ray on
 127.0.0.1, and the bare server), drives each with 8 concurrent streamed chats in rounds, and
 divides each process's CPU time (user + system, from /proc via psutil) by the chunks the
-client received. Tells where the per-token cost of Serve mode goes (replica, ingress, proxy).
+client received. Tells where the per-token cost of Serve mode goes (replica, ingress; the
+proxy is off the path since clients reach the Ingress's own server, so it reads ~0).
 Progress goes to stderr; the LAST stdout line is one JSON object.
 """
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from bench.overhead import (  # noqa: E402
     app_args,
     chat_body,
-    free_port,
+    free_ports,
     log,
     serve_config,
     start_bare,
@@ -112,7 +113,7 @@ def main() -> None:
     opts = p.parse_args()
     args = app_args()
     model = args.get("served_model_name", "demo")
-    port = free_port()
+    port = free_ports(2)  # the app's, then the floor's (`start_serve`)
     temp_dir = tempfile.mkdtemp(prefix="fl-bench-cpu-")
     bare = None
     try:

@@ -71,7 +71,9 @@ def serve_app(config: AppConfig, namespace: str) -> Iterator[AppURL]:
     from actors.serve_internals import with_ingress_port
     from app.playground.announce import wait_until_up
 
-    port, proxy_port = free_port(), free_port()
+    port = proxy_port = free_port()
+    while proxy_port == port:
+        proxy_port = free_port()
     controller = with_ingress_port(
         yaml.safe_load((ROOT / "serve_config.yaml").read_text())["controller_options"], port
     )

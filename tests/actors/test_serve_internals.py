@@ -224,6 +224,8 @@ def test_serve_hands_ingress_ports_from_the_range_the_env_vars_set():
         "ray.serve._private.node_port_manager.PortAllocator",
         "no longer hands out the lowest free port first",
     )
+    with pytest.raises(Exception, match="No available ports"):  # MAX is excluded
+        allocator.allocate("replica-2")
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     assert serve_http_address(config) == {"host": "127.0.0.1", "port": 8000}
     assert config["http_options"]["port"] != 8000  # Serve's proxy: the fallback

@@ -73,3 +73,18 @@ def test_invalid_values_are_refused(monkeypatch):
     monkeypatch.delenv("FIRSTLIGHT_KEEPALIVE_S")
     with pytest.raises(ValueError, match=r"engine\.dtype"):
         parse_settings(["--dtype", "int8"])
+
+
+def test_the_client_port_is_the_ingress_own_when_direct_ingress_is_on():
+    from app.settings import serve_http_address
+
+    proxy_only = {"http_options": {"host": "127.0.0.1", "port": 8100}}
+    assert serve_http_address(proxy_only) == {"host": "127.0.0.1", "port": 8100}
+    env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+    direct = {**proxy_only, "controller_options": {"runtime_env": {"env_vars": env}}}
+    assert serve_http_address(direct)["port"] == 30000  # Serve's own first port
+    env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = "8000"
+    assert serve_http_address(direct) == {"host": "127.0.0.1", "port": 8000}
+    env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0"
+    assert serve_http_address(direct)["port"] == 8100
+    assert serve_http_address({}) == {}
