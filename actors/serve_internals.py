@@ -31,7 +31,7 @@ from app.settings import SERVE_DIRECT_INGRESS, SERVE_DIRECT_PORT_MAX, SERVE_DIRE
 # * RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (part of Serve's "throughput optimized" mode): each
 #   Ingress replica runs its own HTTP server and clients reach the app with no proxy hop.
 #   Measured on 2 cores (bench/overhead.py, bench/admission.py): TTFT over bare mode 11.1 →
-#   3.3 ms, and under a burst of 600 streams a refusal's 429 arrives in 0.6 s instead of 4 s
+#   3.3 ms, and under a burst of 600 streams a refusal's 429 arrives in 0.5 s instead of 4 s
 #   (the proxy → ingress hop took the requests in one by one behind the admitted streams'
 #   tokens). Serve's proxy still serves `http_options.port` (head node only) as a fallback.
 # * RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT / _MAX_HTTP_PORT: the Ingress replicas of one node

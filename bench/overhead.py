@@ -167,12 +167,17 @@ def start_serve(args: dict[str, Any], port: int, controller: dict | None, temp_d
 
 
 def start_ray_serve(
-    namespace: str, port: int, controller: dict | None, temp_dir: str, ingresses: int = 1
+    namespace: str,
+    port: int,
+    controller: dict | None,
+    temp_dir: str,
+    ingresses: int = 1,
+    num_cpus: int | None = None,
 ) -> None:
-    """A private Ray on this machine whose applications serve HTTP on 127.0.0.1:`port` (the
-    first ingress deployed; the next `ingresses - 1` take the following ports), as
-    serve_config.yaml does on 8000 (Serve's direct ingress); Serve's own proxy, the
-    fallback, on a free port."""
+    """A private Ray on this machine (`num_cpus` logical CPUs, default all of them and at
+    least 2) whose applications serve HTTP on 127.0.0.1:`port` (the first ingress deployed;
+    the next `ingresses - 1` take the following ports), as serve_config.yaml does on 8000
+    (Serve's direct ingress); Serve's own proxy, the fallback, on a free port."""
     import ray
     from ray import serve
 
@@ -185,7 +190,7 @@ def start_ray_serve(
     ray.init(
         address="local",
         namespace=namespace,
-        num_cpus=max(2, os.cpu_count() or 2),
+        num_cpus=num_cpus or max(2, os.cpu_count() or 2),
         include_dashboard=False,
         log_to_driver=False,
         _temp_dir=temp_dir,

@@ -42,6 +42,8 @@ from bench.overhead import (  # noqa: E402
     log,
     percentile,
     serve_config,
+    start_ray_serve,
+    stop_serve,
     wait_ready,
 )
 
@@ -103,13 +105,9 @@ def main() -> None:
     p.add_argument("--kv-mib", type=int, default=24, help="KV pool per replica")
     opts = p.parse_args()
 
-    import os
-
-    import ray
     from ray import serve
 
     from actors.builder import application, load_config
-    from actors.serve_internals import with_ingress_port
 
     prompts = workload(opts)
     seen: dict[int, list[int]] = {}
@@ -117,24 +115,17 @@ def main() -> None:
         seen.setdefault(hash(tuple(prompt[: opts.prefix_tokens])), prompt)
     warm = list(seen.values())
 
-    os.environ["PYTHONPATH"] = str(ROOT)
-    os.environ.setdefault("RAY_worker_niceness", "0")
     temp_dir = tempfile.mkdtemp(prefix="fl-bench-routing-")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     results: dict[str, dict[str, Any]] = {}
     try:
-        ray.init(
-            address="local",
-            namespace="firstlight-bench-routing",
+        start_ray_serve(
+            "firstlight-bench-routing",
+            port,
+            serve_config().get("controller_options"),
+            temp_dir,
             num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            _temp_dir=temp_dir,
-        )
-        serve.start(  # clients on `port` (the Ingress's own server), Serve's proxy elsewhere
-            http_options={"host": "127.0.0.1", "port": free_port()},
-            controller_options=with_ingress_port(serve_config().get("controller_options"), port),
         )
         for policy in ("least_loaded", "prefix_affinity"):
             args = app_args()
@@ -158,8 +149,7 @@ def main() -> None:
             log(f"{policy}: {results[policy]}")
             serve.delete("firstlight")
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_serve()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
     base, ours = results["least_loaded"], results["prefix_affinity"]

@@ -370,18 +370,18 @@ class Scheduler:
             for s in r[bisect.bisect_right(r, seq.order_key, key=_key) :]
         ]
 
-    def _could_fit(self, seq: Sequence, n: int) -> bool:
+    def _could_fit(self, seq: Sequence, n: int, worse: list[Sequence] | None = None) -> bool:
         """Whether `seq`'s next `n` tokens fit in the free blocks plus those the running
-        sequences with worse keys hold (so preempting for it is not in vain)."""
-        held = sum(len(s.block_ids) for s in self._worse(seq))
+        sequences with worse keys (`worse`, default `_worse(seq)`) hold, so preempting for
+        it is not in vain."""
+        held = sum(len(s.block_ids) for s in (self._worse(seq) if worse is None else worse))
         return self.kv.num_new_blocks(seq, n) <= self.kv.num_free_blocks + held
 
     def _preempt_for(self, seq: Sequence, n: int, step: _Step) -> bool:
         """Make room for waiting `seq` by preempting running sequences with worse keys,
         worst first. Preempts nothing when even all of their blocks would not suffice."""
         worse = self._worse(seq)
-        held = sum(len(s.block_ids) for s in worse)
-        if not worse or self.kv.num_new_blocks(seq, n) > self.kv.num_free_blocks + held:
+        if not worse or not self._could_fit(seq, n, worse):
             return False
         for victim in sorted(worse, key=_key, reverse=True):
             self._preempt(victim, step)
