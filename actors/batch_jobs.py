@@ -25,7 +25,7 @@ from actors.model_endpoint import (
     sync_forever,
     wait_for_first_view,
 )
-from actors.runtime import replica_id
+from actors.runtime import renice, replica_id
 from actors.settings import AppConfig
 from app.batch.runner import BatchRunner
 from app.batch.store import BatchStore
@@ -43,6 +43,8 @@ class BatchJobs:
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self, config: AppConfig, replicas: DeploymentHandle, control_plane: DeploymentHandle
     ) -> None:
+        if config.batch_jobs.nice:
+            renice(config.batch_jobs.nice)  # this process only: the actor has its own
         self.id = replica_id()
         interval = config.ingress.sync_interval_s
         self.cache = cluster_cache(config)

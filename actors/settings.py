@@ -195,9 +195,14 @@ class DraftReplicaSettings(DeploymentSection):
 
 
 class BatchJobsSettings(DeploymentSection):
-    """The BatchJobs deployment (actors/batch_jobs.py), deployed when `batch.enabled`."""
+    """The BatchJobs deployment (actors/batch_jobs.py), deployed when `batch.enabled`.
+
+    `nice`: the niceness its process adds to itself (`os.nice`) at start. Offline work then
+    yields the CPU to the processes that serve chat (ingress, replicas) where they share
+    cores; the engines still run its lines at full speed, as bulk. 0: no change."""
 
     num_cpus: float = Field(0.1, ge=0)
+    nice: int = Field(10, ge=0, le=19)
 
 
 class ControlPlaneSettings(DeploymentSection):

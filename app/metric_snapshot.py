@@ -160,6 +160,11 @@ def engine_snapshot(stats: EngineStats, labels: Mapping[str, str]) -> Snapshot:
         "num_preemptions": one(
             "counter", "Requests preempted for KV space (recomputed).", stats.num_preemptions
         ),
+        "num_interrupted_steps": one(
+            "counter",
+            "Bulk-only engine steps stopped midway for an arriving interactive request.",
+            stats.num_interrupted_steps,
+        ),
         "num_aborted": one(
             "counter", "Requests aborted in the engine (client left, deadline).", stats.num_aborted
         ),

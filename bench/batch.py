@@ -12,7 +12,8 @@ Prints progress, then as its LAST line one JSON object, from one run:
   batch_lines_ok              lines answered with status 200        (must equal the line count)
   duplicate_lines             custom_ids answered more than once                  (must be 0)
 
-The engine-alone baseline runs first, before Ray starts, so the two never share the CPU.
+The engine-alone baseline runs first, before Ray starts, so the two never share the CPU. The
+batch-alone run starts once the bulk throttle's `hold_s` has passed after the chat load.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import httpx
 import openai
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -86,6 +88,8 @@ async def engine_alone(lines: list[dict[str, Any]], args: dict[str, Any]) -> flo
     from policies.request_class import RequestClassPolicy
 
     config = load_config(args)
+    # The threads Ray gives the replica (OMP_NUM_THREADS = max(1, int(num_cpus))).
+    torch.set_num_threads(max(1, int(config.replica.num_cpus)))
     engine = AsyncEngine.from_config(config.engine, resolve_model=resolve_model)
     await engine.warmup()
     await engine.start()
@@ -189,6 +193,11 @@ def main() -> None:
             quiet = asyncio.run(chat_ttfts(base, opts.chat_s))
             log(f"chat TTFT p95 without a batch: {percentile(quiet, 0.95) * 1e3:.1f} ms")
 
+            # "With no chat load": the bulk throttle lends the replica all its seats once it
+            # has seen no chat for `hold_s` (it cannot tell a pause from the end of the load).
+            config = load_config(args)
+            hold_s = float(config.policies.options("bulk_throttle").get("hold_s", 0.0))
+            time.sleep(hold_s + 2 * config.replica.stats_interval_s)
             started = time.perf_counter()
             batch = wait_done(client, submit(client, lines))
             seconds = time.perf_counter() - started

@@ -129,6 +129,9 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._adds: list[Request] = []
         self._aborts: list[str] = []
+        # Set when an interactive request is queued for the engine thread, cleared when that
+        # thread takes the adds: a bulk-only step in progress stops for it (LLMEngine.step).
+        self._interactive_added = False
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -304,6 +307,7 @@ class AsyncEngine:
             num_preemptions=sched.num_preemptions,
             num_aborted=counters.aborted,
             num_steps=counters.steps,
+            num_interrupted_steps=counters.interrupted_steps,
             generation_tokens=counters.generated_tokens,
             num_cancelled=self.num_cancelled,
             num_reader_stalls=self.num_stalled,
@@ -319,6 +323,8 @@ class AsyncEngine:
         with self._cond:
             if add is not None:
                 self._adds.append(add)
+                if add.request_class is RequestClass.INTERACTIVE:
+                    self._interactive_added = True
             if abort is not None:
                 self._aborts.append(abort)
             self._cond.notify()
@@ -339,6 +345,7 @@ class AsyncEngine:
                         return
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    self._interactive_added = False
                 result = self._step(adds, aborts)
                 queues = (result.waiting, result.running)
                 if result.deltas or result.rejected or adds or queues != posted:
@@ -354,6 +361,11 @@ class AsyncEngine:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._fail_all, exc)
 
+    def _interactive_waits(self) -> bool:
+        """Whether an interactive request was queued since the engine thread last took the
+        adds (read without the lock: a stale answer only delays the stop by one layer)."""
+        return self._interactive_added
+
     def _step(self, adds: list[Request], aborts: list[str]) -> _StepResult:
         """Apply inputs, then one engine step (engine thread only)."""
         rejected: list[tuple[str, BaseException]] = []
@@ -366,8 +378,9 @@ class AsyncEngine:
                 self.engine.add_request(request)
             except InvalidRequest as exc:  # admission already decided: only validity is left
                 rejected.append((request.request_id, exc))
-        steps = self.engine.counters.steps
-        deltas = self.engine.step()
+        counters = self.engine.counters
+        before = (counters.steps, counters.interrupted_steps)
+        deltas = self.engine.step(self._interactive_waits)
         sched = self.engine.scheduler
         return _StepResult(
             deltas,
@@ -375,7 +388,7 @@ class AsyncEngine:
             taken,
             waiting=_counts(sched.waiting),
             running=_counts(sched.running),
-            ran=self.engine.counters.steps != steps,
+            ran=(counters.steps, counters.interrupted_steps) != before,  # stopped: go on at once
         )
 
     # -- on the event loop -------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ from engine.errors import InvalidRequest
 from engine.kv.block_hash import model_key
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.sketch import PrefixSketch
+from engine.models.llama import StepInterrupted
 from engine.models.resolve import ModelResolver, local_model_dir
 from engine.output.detokenizer import IncrementalDetokenizer
 from engine.output.stop import find_stop
@@ -189,7 +191,11 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[TokenDelta]:
+    def step(self, interrupt: Callable[[], bool] | None = None) -> list[TokenDelta]:
+        """One step. `interrupt` (asked between the model's layers) may stop a step that only
+        serves bulk work (no drafts, no grammar), so an interactive request that just arrived
+        need not wait for it (`EngineConfig.interrupt_bulk_steps`): the step then counts as
+        not run (`counters.interrupted_steps`) and its chunks are scheduled again."""
         if self._to_propose:  # drafts for the sequences the last step left decoding
             assert self.spec is not None
             seqs, self._to_propose = self._to_propose, []
@@ -207,7 +213,14 @@ class LLMEngine:
             return expired
         chunks = [c for c in out.chunks if c.samples]
         masks = self._grammars.start_masks(chunks) if self._grammars else None
-        logits = self._execute(out)  # the masks are computed meanwhile
+        if interrupt is not None and (masks is not None or not self._interruptible(out)):
+            interrupt = None
+        try:
+            logits = self._execute(out, interrupt)  # the masks are computed meanwhile
+        except StepInterrupted:
+            # Nothing is updated: every chunk is scheduled again from where it stood.
+            self.counters.interrupted_steps += 1
+            return expired
         mask, mask_errors = masks.result() if masks is not None else (None, {})
         if logits is None:
             return expired + self._fail_step(out)
@@ -235,10 +248,22 @@ class LLMEngine:
             del self._deadlines[rid]
         return [d for rid in late if (d := self.abort(rid)) is not None]
 
-    def _execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """The step's logits, or None when the batched forward pass failed."""
+    def _interruptible(self, out: SchedulerOutput) -> bool:
+        """Whether the step may stop midway: on, and every chunk bulk without drafts."""
+        return self.config.interrupt_bulk_steps and all(
+            c.seq.request.request_class is RequestClass.BULK and not c.spec_token_ids
+            for c in out.chunks
+        )
+
+    def _execute(
+        self, out: SchedulerOutput, interrupt: Callable[[], bool] | None = None
+    ) -> torch.Tensor | None:
+        """The step's logits, or None when the batched forward pass failed. Raises
+        `StepInterrupted` when `interrupt` stopped it."""
         try:
-            return self.runner.execute(out)
+            return self.runner.execute(out, interrupt)
+        except StepInterrupted:
+            raise
         except Exception:
             logger.exception(
                 "the forward pass failed; ending the step's %d requests", len(out.chunks)

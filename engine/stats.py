@@ -27,6 +27,7 @@ class EngineCounters:
     `SpecStats` are built from it)."""
 
     steps: int = 0
+    interrupted_steps: int = 0  # bulk-only steps stopped midway for an interactive arrival
     generated_tokens: int = 0
     aborted: int = 0
     failed: int = 0  # requests ended with finish reason "error"
@@ -137,6 +138,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_aborted: int = 0  # aborted in the engine (client left, deadline, stalled reader)
     num_steps: int = 0
+    num_interrupted_steps: int = 0  # bulk-only steps stopped for an interactive arrival
     generation_tokens: int = 0
     num_cancelled: int = 0  # readers that left before the end
     num_reader_stalls: int = 0  # streams cut because their reader stalled
@@ -177,6 +179,7 @@ def sum_engine_stats(model: str, parts: Iterable[EngineStats]) -> EngineStats:
         num_preemptions=sum(p.num_preemptions for p in parts),
         num_aborted=sum(p.num_aborted for p in parts),
         num_steps=sum(p.num_steps for p in parts),
+        num_interrupted_steps=sum(p.num_interrupted_steps for p in parts),
         generation_tokens=sum(p.generation_tokens for p in parts),
         num_cancelled=sum(p.num_cancelled for p in parts),
         num_reader_stalls=sum(p.num_reader_stalls for p in parts),

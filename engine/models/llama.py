@@ -1,7 +1,9 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Interface: `model(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden_size]`
-(after the final norm) and `model.compute_logits(hidden[N, hidden_size]) -> [N, vocab]`.
+(after the final norm; with `interrupt`, a callable asked before each layer, the pass stops
+with `StepInterrupted` once it says True) and
+`model.compute_logits(hidden[N, hidden_size]) -> [N, vocab]`.
 `kv_caches[i]` is layer i's `(k_cache, v_cache)`. The forward calls `backend.prepare(meta)`
 once; then each layer projects q/k/v, applies RoPE at `positions` and hands q, k, v to
 `backend.forward`, which writes K/V at `meta.slot_mapping` and attends. q/k/v and gate/up
@@ -11,7 +13,7 @@ slices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,12 @@ from torch import nn
 from engine.models.rope import RotaryEmbedding, apply_rope
 from engine.models.spec import ModelSpec
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCache
+
+
+class StepInterrupted(Exception):
+    """The forward pass stopped between two layers because its `interrupt` said so. The K/V
+    the finished layers wrote sit at positions the step's sequences have not counted as
+    computed, so the next step writes them again (the same tokens at the same positions)."""
 
 
 class RMSNorm(nn.Module):
@@ -133,11 +141,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        interrupt: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         self.backend.prepare(meta)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype, meta.max_seqlen_k - 1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if interrupt is not None and interrupt():
+                raise StepInterrupted
             h = layer(h, cos, sin, kv_cache, meta)
         return self.norm(h)
 

@@ -14,6 +14,8 @@ allocated a block for every position being computed, drafts included.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.config import EngineConfig
@@ -116,12 +118,15 @@ class ModelRunner:
         )
         return budget // self.bytes_per_block
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(
+        self, out: SchedulerOutput, interrupt: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
         """`[num_sample_rows, vocab]` float32 logits: per sampling chunk in chunk order, its
-        last real token's row followed by one row per draft."""
+        last real token's row followed by one row per draft. With `interrupt`, the pass may
+        stop between layers (`StepInterrupted`, see the model's forward)."""
         if out.is_empty:
             return torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
-        return self._run(self.pack(out))
+        return self._run(self.pack(out), interrupt)
 
     def pack(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -156,9 +161,11 @@ class ModelRunner:
             self._run(StepInputs([0], [n], [n], [0, 1], [n + 1], [blocks], [0]))
 
     @torch.inference_mode()
-    def _run(self, step: StepInputs) -> torch.Tensor:
+    def _run(self, step: StepInputs, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
         inputs = self.buffers.fill(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, interrupt
+        )
         if not step.sample_rows:
             return torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
         if len(step.sample_rows) < hidden.shape[0]:

@@ -1,6 +1,7 @@
 """Batch jobs on a real Ray Serve with the demo model and API keys on, through the OpenAI
 Python SDK: cancel keeps finished results; refusals name their parameter; a second key sees
-none of the first key's files or batches; and the BatchJobs actor killed mid-batch is
+none of the first key's files or batches; BatchJobs runs nicer than chat serving; and the
+BatchJobs actor killed mid-batch is
 replaced, the batch completing with every custom_id exactly once (its progress in
 `/metrics`). The module kills BatchJobs last."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -96,6 +98,32 @@ def test_a_second_key_sees_nothing_of_the_first(base_url) -> None:
     assert file.id not in [f.id for f in bob.files.list().data]
     assert file.id in [f.id for f in alice.files.list().data]
     assert not [b for b in bob.batches.list().data]
+
+
+def _niceness(pid: int, tid: int | str | None = None) -> int:
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def test_batch_jobs_yields_the_cpu_to_chat_serving(base_url) -> None:
+    """Every thread of its process runs `batch_jobs.nice` (10) nicer than the same thread of
+    a process serving chat. (Ray renices a worker's Python thread to 15 and leaves the
+    threads it started before at 0, so 0 → 10 and 15 → 19, the limit.)"""
+    import ray
+
+    pids = {
+        a["ActorClassName"].rsplit(":", 1)[-1]: a["Pid"]
+        for a in ray.state.actors(actor_state_name="ALIVE").values()  # GCS, no dashboard
+        if a["ActorClassName"].startswith("ServeReplica:")
+    }
+
+    def threads(pid: int) -> set[int]:
+        return {_niceness(pid, tid) for tid in os.listdir(f"/proc/{pid}/task")}
+
+    chat = threads(pids["Ingress"])
+    assert threads(pids["ModelReplica"]) == chat and min(chat) < 19
+    assert threads(pids["BatchJobs"]) == {min(19, n + 10) for n in chat}
 
 
 def test_killing_batch_jobs_mid_batch_still_answers_every_line_exactly_once(base_url) -> None:

@@ -164,7 +164,7 @@ async def test_stats_are_pushed_and_health_fails_once_the_engine_loop_is_gone():
         "num_requests_waiting": 0,
     }
 
-    def broken_step() -> list:
+    def broken_step(*args: object) -> list:
         raise RuntimeError("CUDA error: device-side assert")  # the engine thread dies
 
     replica.engine.engine.step = broken_step

@@ -152,6 +152,7 @@ class FakeEngine:
             ),
             admission=AdmissionStats(max_waiting=8, interactive_reserve=2, drain_rate_per_s=None),
             num_preemptions=3,
+            num_interrupted_steps=5,
             generation_tokens=999,  # an engine counter with no metric family: never rendered
         )
 

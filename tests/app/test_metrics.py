@@ -109,6 +109,7 @@ def test_engine_stats_are_read_at_scrape_time():
     assert sample(text, "firstlight_kv_cache_usage_perc", model="demo") == 0.25
     assert sample(text, "firstlight_prefix_cache_hits_total") == 40
     assert sample(text, "firstlight_num_preemptions_total") == 3
+    assert sample(text, "firstlight_num_interrupted_steps_total") == 5
     assert sample(text, "firstlight_kv_num_free_blocks") == 48
     assert "999" not in text  # an engine counter without a family is not rendered
     assert "spec_decode" not in text  # no family for what nothing produces
@@ -139,6 +140,7 @@ def test_engine_families_keep_their_names_types_and_labels():
         "firstlight_prefix_cache_queries": ("counter", plain),
         "firstlight_prefix_cache_hits": ("counter", plain),
         "firstlight_num_preemptions": ("counter", plain),
+        "firstlight_num_interrupted_steps": ("counter", plain),
         "firstlight_num_aborted": ("counter", plain),
         "firstlight_num_reader_stalls": ("counter", plain),
     }

@@ -13,9 +13,9 @@ class StepGate:
         self._open = threading.Event()
         real_step = engine.step
 
-        def gated_step():
+        def gated_step(*args, **kwargs):
             self._open.wait()
-            return real_step()
+            return real_step(*args, **kwargs)
 
         engine.step = gated_step  # type: ignore[method-assign]
 
