@@ -34,6 +34,7 @@ def base_url() -> Iterator[str]:
             auth={"api_keys": ["alice", "bob"]},
             replica={"autoscaling": {"min_replicas": 1, "max_replicas": 1}},
             ingress={"sync_interval_s": 0.2},
+            batch_jobs={"nice": 10},
         )
         with serve_app(config, namespace="firstlight-batch-tests") as url:
             yield url
@@ -107,7 +108,7 @@ def _niceness(pid: int, tid: int | str | None = None) -> int:
 
 
 def test_batch_jobs_yields_the_cpu_to_chat_serving(base_url) -> None:
-    """Every thread of its process runs `batch_jobs.nice` (10) nicer than the same thread of
+    """Every thread of its process runs `batch_jobs.nice` (10 here) nicer than the same thread of
     a process serving chat. (Ray renices a worker's Python thread to 15 and leaves the
     threads it started before at 0, so 0 → 10 and 15 → 19, the limit.)"""
     import ray
