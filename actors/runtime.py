@@ -52,20 +52,19 @@ def rss_bytes() -> int:
         return 0
 
 
-def renice(increment: int) -> int:
+def renice(increment: int) -> None:
     """Make every thread of this process `increment` nicer (at most 19), and so the threads
-    they start later; returns the new niceness of the calling thread. On Linux niceness is
-    per thread (`os.nice` changes only the caller's), and a Ray worker already runs a dozen
-    threads (gRPC, the core worker's) when a deployment's constructor runs. Raising niceness
-    needs no privilege."""
+    they start later. On Linux niceness is per thread (`os.nice` changes only the caller's),
+    and a Ray worker already runs a dozen threads (gRPC, the core worker's) when a
+    deployment's constructor runs. Raising niceness needs no privilege."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # no procfs: the process-wide call
-        return os.nice(increment)
+        os.nice(increment)
+        return
     for tid in tids:
         try:
             now = os.getpriority(os.PRIO_PROCESS, tid)
             os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))
         except OSError:  # the thread ended meanwhile
             pass
-    return os.getpriority(os.PRIO_PROCESS, 0)

@@ -185,7 +185,8 @@ def main() -> None:
         start_ray_serve("firstlight-bench-batch", port, serve_config().get("controller_options"),
                         temp_dir)  # fmt: skip
         try:
-            serve.run(application(load_config(args)), name="firstlight", route_prefix="/")
+            config = load_config(args)
+            serve.run(application(config), name="firstlight", route_prefix="/")
             base = f"http://127.0.0.1:{port}"
             wait_ready(base)
             client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=2)
@@ -195,7 +196,6 @@ def main() -> None:
 
             # "With no chat load": the bulk throttle lends the replica all its seats once it
             # has seen no chat for `hold_s` (it cannot tell a pause from the end of the load).
-            config = load_config(args)
             hold_s = float(config.policies.options("bulk_throttle").get("hold_s", 0.0))
             time.sleep(hold_s + 2 * config.replica.stats_interval_s)
             started = time.perf_counter()
