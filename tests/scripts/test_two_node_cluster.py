@@ -31,7 +31,10 @@ from tests.scripts.helpers import SCRIPT, two_node
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
-PORTS = 21  # GCS .. node2's runtime-env agent (+18), and HTTP (+20)
+# GCS .. node2's runtime-env agent (+18); the worker ranges are +100..+299. HTTP on +300 and
+# Serve's fallback proxy on HTTP + 100 (scripts/two_node.py), clear of the worker ranges.
+HTTP_OFFSET = 300
+PORTS = [*range(19), HTTP_OFFSET, HTTP_OFFSET + 100]
 HEAD_ACTORS = {"ServeController", "ProxyActor"} | {
     f"ServeReplica:firstlight:{name}"
     for name in ("Ingress", "ControlPlane", "DraftReplica", "BatchJobs")
@@ -39,13 +42,13 @@ HEAD_ACTORS = {"ServeController", "ProxyActor"} | {
 
 
 def free_port_block() -> int:
-    """A base port whose next `PORTS` ports are free on every interface (Ray's GCS and
+    """A base port whose `PORTS` (offsets) are free on every interface (Ray's GCS and
     raylets listen on all of them), with its worker ranges (+100..+299) clear of Ray's
     default 10002-19999 and of the kernel's ephemeral ports."""
     for _ in range(50):
-        base = random.randrange(20000, 32000, 300)
+        base = random.randrange(20000, 32000, 500)
         try:
-            for port in range(base, base + PORTS):
+            for port in (base + offset for offset in PORTS):
                 with socket.socket() as s:
                     s.bind(("", port))
         except OSError:
@@ -62,7 +65,7 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port + 20}"
+        return f"http://127.0.0.1:{self.port + HTTP_OFFSET}"
 
     def state(self, kind: str) -> list[dict[str, Any]]:
         """Ray's state API (`/api/v0/nodes`, `/api/v0/actors`), with the cluster's token."""
@@ -93,7 +96,7 @@ def cluster() -> Iterator[Cluster]:
     env.update(
         FL_CLUSTER_DIR=str(directory),
         FL_PORT=str(port),
-        FL_HTTP_PORT=str(port + 20),
+        FL_HTTP_PORT=str(port + HTTP_OFFSET),
         FL_WAIT_S="150",
     )
     cluster = Cluster(directory, port, env)
