@@ -60,7 +60,8 @@ class BatchJobs:
         def capacity(own: int) -> int:  # lines in flight: the throttle's room for them
             return own + bulk_room(throttle, cache.replica_stats(), own, reported.note(own))
 
-        self.runner = BatchRunner(self.store, layer, capacity)
+        bunch = config.ingress.bulk_group_max
+        self.runner = BatchRunner(self.store, layer, capacity, bunch=bunch)
         sync = sync_forever(control_plane, self.cache, self.id, self.runner.snapshot, interval)
         self._sync_task = asyncio.create_task(sync, name="batch-sync")
         await wait_for_first_view(self.cache, timeout_s=max(5.0, 10 * interval))

@@ -9,6 +9,10 @@ What it adds to the engine, and nothing else:
   socket, or returns a `ReplicaError` when the engine refuses the request or dies under it.
   When the caller goes away (client disconnect → Serve cancels the call → `CancelledError`
   here) the request is aborted within one engine step and its KV blocks return;
+* `stream_group(requests, address)`: several requests in one Serve call, each as by
+  `stream_to` (a caller's bulk requests that want their output whole, e.g. a batch's lines:
+  see actors/replica_client.py); returns their outcomes in order once all have ended, and
+  cancelling it aborts those still running;
 * `generate(request)`: the same over a Serve stream (one item per delta; the first one is
   yielded the moment it exists), for `ingress.token_path: stream`;
 * `check_health` fails once the engine loop has died, so Serve replaces the replica;
@@ -123,6 +127,13 @@ class ModelReplica:
         finally:
             self.engine.detach(rid, abort=not finished)
             conn.close_slot(rid)
+
+    async def stream_group(
+        self, requests: list[Request], address: ChannelAddress
+    ) -> list[ReplicaError | None]:
+        async with asyncio.TaskGroup() as group:  # one failing (the channel broke) ends all
+            tasks = [group.create_task(self.stream_to(r, address)) for r in requests]
+        return [task.result() for task in tasks]
 
     async def generate(self, request: Request) -> AsyncIterator[TokenDelta | ReplicaError]:
         request.to_local_clock()

@@ -12,6 +12,16 @@ paths:
   on the socket and must arrive within `final_delta_grace_s`;
 * without one (`stream`): each delta is an item of a Serve streaming call (`generate`).
 
+Bulk requests that want their output whole (batch lines, non-streamed `flex` requests) and
+start in the same event-loop pass share one Serve call (`ModelReplica.stream_group`, at
+most `group_max` of them; one replica serves them all): a replica handles each Serve call
+with a fixed cost on the event loop its engine thread shares the GIL with, and a batch
+starts its lines in bunches. Each request still gets its own deltas, its own outcome and
+its own place in `check_admission`; a refusal of one of them reaches it when the call ends.
+One that is left early (its reader gone, or `abort`) runs on at the replica until every
+request of its call has ended or been left; then the call is cancelled, and the replica
+aborts what still runs.
+
 Translation of what can go wrong across the hop:
 * a `ReplicaError` item (the replica refused the request) → the exception it names;
 * Serve's `BackPressureError` (every replica at `max_ongoing_requests` and the handle's own
@@ -58,6 +68,8 @@ from engine.errors import QueueFull, Unavailable
 from engine.request import Request, RequestClass, TokenDelta, clock_base
 from engine.stats import EngineStats, sum_engine_stats
 
+BULK = RequestClass.BULK
+
 _UNAVAILABLE = (
     ActorDiedError,
     ActorUnavailableError,
@@ -81,6 +93,7 @@ class ReplicaClient:
         final_delta_grace_s: float = 10.0,
         reserve_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        group_max: int = 1,
     ) -> None:
         self.gate = gate
         self._stream = handle.options(stream=True, **(transport or {}))
@@ -99,6 +112,8 @@ class ReplicaClient:
         self._reserve_s = reserve_s
         self._clock = clock
         self._owned_channel: ChannelServer | None = None  # started by `connect`
+        self._group_max = group_max
+        self._group: _Group | None = None  # bulk whole-output requests of this loop pass
 
     @classmethod
     async def connect(
@@ -135,6 +150,7 @@ class ReplicaClient:
             capacity=capacity,
             gate=gate,
             transport=settings.handle_options(),
+            group_max=settings.bulk_group_max,
         )
         client._owned_channel = channel
         return client
@@ -180,10 +196,16 @@ class ReplicaClient:
             inbox = channel.open(rid)
             assert self._unary is not None and channel.address is not None
             request.sender_clock = clock_base()
-            with own_serve_request_id():
-                response = self._unary.stream_to.remote(request, channel.address)
+            response: Any
+            if self._group_max > 1 and request.whole_output and request.request_class is BULK:
+                response = self._join_group(request)
+                call = response.outcome
+            else:
+                with own_serve_request_id():
+                    response = self._unary.stream_to.remote(request, channel.address)
+                retry_after_s = self._backpressure_retry_s(request)
+                call = asyncio.ensure_future(_outcome(response, retry_after_s))
             self._inflight[rid] = response
-            call = asyncio.ensure_future(_outcome(response, self._backpressure_retry_s(request)))
             call.add_done_callback(functools.partial(self._call_done, inbox, rid))
             finished = False
             try:
@@ -196,11 +218,41 @@ class ReplicaClient:
             finally:
                 self._inflight.pop(rid, None)
                 channel.close(rid)
-                if not finished and not call.done():
+                if isinstance(response, _Member):
+                    response.leave(finished)
+                elif not finished and not call.done():
                     # The replica sees CancelledError and aborts the request. Serve's cancel()
                     # re-raises a failed assignment's error (e.g. BackPressureError): not ours.
                     with contextlib.suppress(Exception):
                         response.cancel()
+
+    def _join_group(self, request: Request) -> _Member:
+        """A place for `request` in the group of this loop pass, sent at the end of the pass
+        (or once it holds `group_max` requests)."""
+        group = self._group
+        if group is None:
+            group = self._group = _Group()
+            asyncio.get_running_loop().call_soon(self._send_group, group)
+        member = group.add(request)
+        if len(group.members) >= self._group_max:
+            self._send_group(group)
+        return member
+
+    def _send_group(self, group: _Group) -> None:
+        if self._group is group:
+            self._group = None
+        if group.response is not None:  # sent already (it filled up)
+            return
+        members = [m for m in group.members if not m.left]
+        if not members:
+            return
+        assert self._unary is not None and self._channel is not None
+        requests = [m.request for m in members]
+        with own_serve_request_id():
+            group.response = self._unary.stream_group.remote(requests, self._channel.address)
+        retry_after_s = self._backpressure_retry_s(requests[0])
+        outcome = asyncio.ensure_future(_outcome(group.response, retry_after_s))
+        outcome.add_done_callback(functools.partial(_settle, members))
 
     def _call_done(self, inbox: TokenInbox, rid: str, call: asyncio.Future[Any]) -> None:
         if call.cancelled():
@@ -276,6 +328,68 @@ class ReplicaClient:
         """The Retry-After for a refusal by Serve's own queue: the engine's rule, from the
         cluster view (`retry_after`), so a client sees one rule whichever layer refused."""
         return None if self._retry_after is None else self._retry_after(request.request_class)
+
+
+class _Member:
+    """One request's place in a `_Group`; `outcome` resolves as a call of its own would
+    (its `ReplicaError`, None, or the call's failure)."""
+
+    __slots__ = ("group", "left", "outcome", "request")
+
+    def __init__(self, group: _Group, request: Request) -> None:
+        self.group = group
+        self.request = request
+        self.left = False
+        self.outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def leave(self, finished: bool) -> None:
+        """Its reader is done with it (`finished`: it got its last delta). Once every member
+        has left and one of them unfinished, the call is cancelled: the replica aborts the
+        requests still running."""
+        if self.left:
+            return
+        self.left = True
+        group = self.group
+        group.abandoned |= not finished
+        if group.response is not None and group.abandoned and all(m.left for m in group.members):
+            # Serve's cancel() re-raises a failed assignment's error: not ours.
+            with contextlib.suppress(Exception):
+                group.response.cancel()
+
+    def cancel(self) -> None:
+        """`ReplicaClient.abort`: leave unfinished."""
+        self.leave(finished=False)
+
+
+class _Group:
+    """Bulk whole-output requests sent in one `ModelReplica.stream_group` call."""
+
+    __slots__ = ("abandoned", "members", "response")
+
+    def __init__(self) -> None:
+        self.members: list[_Member] = []
+        self.response: Any = None  # the Serve call, once sent
+        self.abandoned = False  # a member left before its last delta
+
+    def add(self, request: Request) -> _Member:
+        member = _Member(self, request)
+        self.members.append(member)
+        return member
+
+
+def _settle(members: list[_Member], call: asyncio.Future[Any]) -> None:
+    """Each member's outcome from its group call's: its own item, or the call's failure."""
+    error = None if call.cancelled() else call.exception()
+    results = None if error is not None or call.cancelled() else call.result()
+    for i, member in enumerate(members):
+        if member.outcome.done():
+            continue
+        if call.cancelled():
+            member.outcome.cancel()
+        elif error is not None:
+            member.outcome.set_exception(error)
+        else:
+            member.outcome.set_result(results[i])
 
 
 async def _outcome(response: Any, retry_after_s: float | None) -> Any:

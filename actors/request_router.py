@@ -3,9 +3,10 @@
 Serve builds one router per caller process (each ingress) from the deployment's
 `request_router_config` (see `actors/builder.py`) and calls `choose_replicas` for every
 request with the live replicas; this adapter hands the policy the request (the engine
-`Request`, the first argument of every token-path call) and the queue lengths Serve's router
-already tracks, and maps the policy's ranks back to Serve's replica objects. Serve then probes
-the replicas of the first rank and sends the request to the least loaded one that accepts.
+`Request`, the first argument of every token-path call; a group call's first request) and
+the queue lengths Serve's router already tracks, and maps the policy's ranks back to Serve's
+replica objects. Serve then probes the replicas of the first rank and sends the request to
+the least loaded one that accepts.
 
 Unlike Serve's default router this one has no FIFO mixin: the replica chosen for a request
 serves that request, not whichever request happens to be first in the queue.
@@ -37,13 +38,23 @@ from policies.routing import Candidate, ReplicaRoutingPolicy
 logger = logging.getLogger("firstlight.routing")
 
 
-def request_of(pending: PendingRequest | None) -> Request | None:
+def requests_of(pending: PendingRequest | None) -> list[Request]:
+    """The engine requests a call carries: its `Request` argument, or the list of a group
+    (`ModelReplica.stream_group`)."""
     if pending is None:
-        return None
+        return []
     for arg in pending.args:
         if isinstance(arg, Request):
+            return [arg]
+        if isinstance(arg, list) and arg and isinstance(arg[0], Request):
             return arg
-    return None
+    return []
+
+
+def request_of(pending: PendingRequest | None) -> Request | None:
+    """The request to route by (a group goes where its first request would)."""
+    requests = requests_of(pending)
+    return requests[0] if requests else None
 
 
 class PolicyRequestRouter(RequestRouter):
@@ -120,4 +131,5 @@ class PolicyRequestRouter(RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        self.policy.routed(request_of(pending_request), replica_id.unique_id)
+        for request in requests_of(pending_request) or [None]:
+            self.policy.routed(request, replica_id.unique_id)

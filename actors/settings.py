@@ -151,11 +151,15 @@ class IngressSettings(DeploymentSection):
     `channel_tcp_host`: where the caller also listens for replicas on other nodes ("auto":
     the node's Ray address; "off": Unix socket only, single-node clusters).
     `transport`: how Serve carries the calls themselves: "grpc" (Serve's direct gRPC channel
-    between replicas, plain pickle) or "actor" (Ray actor calls)."""
+    between replicas, plain pickle) or "actor" (Ray actor calls).
+    `bulk_group_max`: bulk requests that want their output whole and start in the same
+    event-loop pass share one Serve call, at most this many (1: a call each; channel path
+    only; see actors/replica_client.py)."""
 
     token_path: Literal["channel", "stream"] = "channel"
     channel_tcp_host: str = "auto"
     transport: Literal["grpc", "actor"] = "grpc"
+    bulk_group_max: int = Field(16, ge=1)
     num_cpus: float = Field(0.4, ge=0)
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(512, ge=1)  # concurrent HTTP requests per ingress

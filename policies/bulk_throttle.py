@@ -11,17 +11,20 @@ The allowance is per replica (`allowances`), so class-aware routing can send bul
 seats are lent, and summed for the cluster (`allowance`).
 
 `spare_capacity` (the default): a replica with no interactive request lends bulk all its
-seats; one serving interactive requests, or that took some in within `hold_s` (chats are
-short, so a snapshot that shows none running does not mean the chat load has stopped: the
-replica's count of interactive requests taken in tells), lends at most `busy_share` of its
-seats, and never a seat interactive requests hold. At least one bulk
-request may always run, so bulk always moves.
+seats, and `queue_ahead` of them more to wait in its queue (a seat that frees is then
+refilled by the engine's next step, not after a round trip to the caller, and callers can
+send bulk in bunches); one serving interactive requests, or that took some in within
+`hold_s` (chats are short, so a snapshot that shows none running does not mean the chat
+load has stopped: the replica's count of interactive requests taken in tells), lends at
+most `busy_share` of its seats, none to queue, and never a seat interactive requests hold.
+At least one bulk request may always run, so bulk always moves.
 
 `unlimited`: no throttle (bulk is bounded only by each engine's own admission).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from abc import abstractmethod
 from collections import deque
@@ -95,14 +98,18 @@ class SpareCapacity(BulkThrottle):
         self,
         busy_share: float = 0.125,
         hold_s: float = 5.0,
+        queue_ahead: float = 0.125,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= busy_share <= 1.0:
             raise ValueError("spare_capacity: busy_share must be in [0, 1]")
         if hold_s < 0.0:
             raise ValueError("spare_capacity: hold_s must be >= 0")
+        if not 0.0 <= queue_ahead <= 1.0:
+            raise ValueError("spare_capacity: queue_ahead must be in [0, 1]")
         self.busy_share = busy_share
         self.hold_s = hold_s
+        self.queue_ahead = queue_ahead
         self._clock = clock
         self._last_interactive: dict[str, float] = {}  # replica id → when last seen serving
         self._taken: dict[str, int] = {}  # replica id → its interactive requests taken in
@@ -123,7 +130,7 @@ class SpareCapacity(BulkThrottle):
                 seen[rid] = now
             taken[rid] = count
             if interactive == 0 and now - seen.get(rid, float("-inf")) >= self.hold_s:
-                out[rid] = seats
+                out[rid] = seats + math.ceil(seats * self.queue_ahead)
             else:
                 out[rid] = max(0, min(seats - interactive, int(seats * self.busy_share)))
         return out

@@ -8,7 +8,9 @@ runner left: a restarted runner resumes them) and runs each:
   before a restart), the rest run with at most `capacity()` in flight, re-read before each
   launch (the cluster bulk throttle, `policies.bulk_throttle`: every seat of a replica with
   no interactive request, a small share of one serving some), so the batch fills the fleet
-  when interactive load falls and backs off when it rises;
+  when interactive load falls and backs off when it rises. Lines start in bunches: once
+  1/8 of the capacity (at most `bunch`) is free, or when none is in flight, so the replica
+  client can send a bunch in one Serve call (actors/replica_client.py);
 * a line that is not valid JSON, lacks `custom_id`/`method`/`url`/`body`, names another
   endpoint, or is refused by the OpenAI layer (bad parameters, unknown model) becomes an
   entry of the error file; an overloaded engine (429) or a missing replica (503) makes the
@@ -48,11 +50,13 @@ class BatchRunner:
         capacity: Callable[[int], int],
         *,
         poll_s: float = 0.5,
+        bunch: int = 1,
     ) -> None:
         self.store = store
         self.layer = layer
         self.capacity = capacity
         self.poll_s = poll_s
+        self.bunch = bunch
         self._running: dict[str, asyncio.Task] = {}
         self._loop_task: asyncio.Task | None = None
         self.in_flight = 0
@@ -138,6 +142,19 @@ class BatchRunner:
             self.in_flight -= 1
             wake.set()
 
+        async def room() -> int:
+            """Lines to start now (0: the batch is stopping), once enough are."""
+            while True:
+                capacity = self.capacity(self.in_flight)
+                free = capacity - self.in_flight
+                enough = 1 if not self.in_flight else max(1, min(self.bunch, capacity // 8))
+                if free >= enough or self._stopping(batch.id):
+                    return 0 if self._stopping(batch.id) else free
+                wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), self.poll_s)
+
+        burst = 0
         try:
             with path.open("rb") as lines:
                 for number, raw in enumerate(lines):
@@ -146,14 +163,11 @@ class BatchRunner:
                     custom_id, line = _parse_line(raw)
                     if custom_id in done:
                         continue
-                    while self.in_flight >= self.capacity(self.in_flight):
-                        wake.clear()
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(wake.wait(), self.poll_s)
-                        if self._stopping(batch.id):
+                    if not burst:
+                        burst = await room()
+                        if not burst:
                             return
-                    if self._stopping(batch.id):
-                        return
+                    burst -= 1
                     self.in_flight += 1
                     task = asyncio.create_task(
                         self._run_line(batch, number, custom_id or f"line-{number}", line)

@@ -27,7 +27,9 @@ def stats(interactive: int = 0, bulk: int = 0, seats: int = 4) -> EngineStats:
 
 def make_gate(view: dict[str, EngineStats], **kwargs) -> BulkGate:
     options = {"max_wait_s": 5.0, "max_waiting": 8, "poll_s": 0.01, **kwargs}
-    return BulkGate(SpareCapacity(busy_share=0.5, hold_s=0.0), lambda: view, **options)
+    return BulkGate(
+        SpareCapacity(busy_share=0.5, hold_s=0.0, queue_ahead=0.0), lambda: view, **options
+    )
 
 
 async def test_bulk_fills_an_idle_replica_then_waits_for_a_place():

@@ -146,6 +146,56 @@ async def test_cancellation_aborts_the_request_and_frees_its_blocks():
         await replica.__del__()
 
 
+async def test_a_group_call_streams_each_request_and_cancelling_it_aborts_them_all():
+    """`stream_group`, as a batch's lines reach the replica: each request's whole output over
+    the token channel, each outcome in order (a refusal is that request's alone), and
+    Serve's cancel of the call aborts every request still running."""
+    from actors.token_channel import ChannelServer
+
+    replica = await make_replica()
+    server = ChannelServer()
+    await server.start(ingress_id="batch", node_id=replica.channels.node_id, tcp_host=None)
+    try:
+        assert server.address is not None
+        prompt = await prompt_ids(replica)
+        group = [request(f"g{i}", prompt, max_tokens=4 + i) for i in range(3)]
+        group.insert(1, request("long", [1] * (replica.engine.max_model_len + 1)))
+        inboxes = {r.request_id: server.open(r.request_id) for r in group}
+        for r in group:
+            r.whole_output = True
+        outcomes = await replica.stream_group(group, server.address)
+        assert outcomes[0] is None and outcomes[2] is None and outcomes[3] is None
+        assert isinstance(outcomes[1], ReplicaError) and outcomes[1].param == "prompt"
+        for i in range(3):
+            (last,) = [await inboxes[f"g{i}"].get()]  # whole output: one delta
+            assert last.finish_reason == "length" and len(last.token_ids) == 4 + i
+
+        baseline = await replica.stats()
+        long_ones = [request(f"h{i}", prompt, max_tokens=400) for i in range(2)]
+        for r in long_ones:
+            server.open(r.request_id)
+        call = asyncio.ensure_future(replica.stream_group(long_ones, server.address))
+        for _ in range(200):
+            if (await replica.stats()).engine.running.total == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert (await replica.stats()).engine.running.total == 2
+        call.cancel()  # what Serve does when the caller cancels the call
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        for _ in range(100):  # the aborts land within one engine step
+            stats = await replica.stats()
+            if stats.engine.running.total == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stats.engine.running.total == 0
+        assert stats.engine.num_cancelled == baseline.engine.num_cancelled + 2
+        assert stats.engine.kv.num_free_blocks == baseline.engine.kv.num_free_blocks
+    finally:
+        await server.stop()
+        await replica.__del__()
+
+
 async def test_stats_are_pushed_and_health_fails_once_the_engine_loop_is_gone():
     control_plane = FakeControlPlane()
     replica = await make_replica(control_plane)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -424,3 +425,155 @@ async def test_a_client_given_a_channel_does_not_stop_it(channel):
     client = ReplicaClient(ChannelHandle(lambda a: ChannelCall(pool, a, deltas)), channel=server)
     await client.close()
     assert [d.text for d in await drain(client)] == ["t1"]  # still listening
+
+
+# -- bulk whole-output requests started together: one Serve call -------------------------------
+
+
+class GroupCall(ChannelCall):
+    """Stands in for `ModelReplica.stream_group`: plays the replica for each request over a
+    real channel connection (its whole output as one final delta), then returns each one's
+    outcome (`refuse`: request id → its `ReplicaError`, sent no delta); raises `error`; or,
+    when `hang`, waits until cancelled before sending anything."""
+
+    def __init__(self, pool, address, requests, refuse=None, error=None, hang=False, hold=()):
+        super().__init__(pool, address, [], error=error, hang=hang)
+        self.requests, self.refuse, self.hold = requests, refuse or {}, set(hold)
+
+    async def _run(self):
+        conn = await self.pool.connection(self.address)
+        if self.hang:
+            await asyncio.Event().wait()
+        outcomes = []
+        for request in self.requests:
+            rid = request.request_id
+            if rid in self.refuse:
+                outcomes.append(self.refuse[rid])
+                continue
+            if rid in self.hold:  # still running: no delta yet, the call goes on
+                outcomes.append(None)
+                continue
+            slot = conn.open(rid)
+            final = TokenDelta(
+                rid, [7], f"all of {rid}", finish_reason=FinishReason.LENGTH, num_output_tokens=1
+            )
+            slot.put(final, now=0.0)
+            await slot.done
+            conn.close_slot(rid)
+            outcomes.append(None)
+        if self.hold:
+            await asyncio.Event().wait()
+        if self.error is not None:
+            raise self.error
+        return outcomes
+
+
+class GroupHandle(ChannelHandle):
+    """`stream_to` as ChannelHandle; `stream_group` plays `make_group(address, requests)`."""
+
+    def __init__(self, make_call, make_group) -> None:
+        super().__init__(make_call)
+        self.make_group = make_group
+        self.groups: list[GroupCall] = []
+
+    @property
+    def stream_group(self) -> Any:
+        handle = self
+
+        class Method:
+            @staticmethod
+            def remote(requests: list[Request], address) -> GroupCall:
+                assert all(r.sender_clock is not None for r in requests)
+                call = handle.make_group(address, requests)
+                handle.groups.append(call)
+                return call
+
+        return Method
+
+
+def bulk(rid: str, whole: bool = True, cls: RequestClass = RequestClass.BULK) -> Request:
+    return Request(rid, [1, 2, 3], request_class=cls, whole_output=whole)
+
+
+async def texts(client: ReplicaClient, request: Request) -> str:
+    return "".join([d.text async for d in client.generate(request)])
+
+
+async def test_bulk_whole_output_requests_started_together_share_one_call(channel):
+    server, pool = channel
+    handle = GroupHandle(
+        lambda a: ChannelCall(pool, a, [delta(1, FinishReason.STOP)]),
+        lambda a, requests: GroupCall(pool, a, requests),
+    )
+    client = ReplicaClient(handle, channel=server, group_max=16)
+    chat = bulk("r1", cls=RequestClass.INTERACTIVE)  # (plays as "r1" over stream_to)
+    lines = [bulk(f"b{i}") for i in range(3)]
+    got = await asyncio.gather(*(texts(client, r) for r in [*lines, chat]))
+    assert got == ["all of b0", "all of b1", "all of b2", "t1"]
+    assert [[r.request_id for r in g.requests] for g in handle.groups] == [["b0", "b1", "b2"]]
+    assert len(handle.calls) == 1  # the interactive request: a call of its own
+    streamed = bulk("r1", whole=False)  # a streamed bulk request is never grouped either
+    assert await texts(client, streamed) == "t1"
+    assert len(handle.groups) == 1 and len(handle.calls) == 2
+    assert not any(g.cancelled for g in handle.groups)
+    assert server._inboxes == {} and client._inflight == {}
+
+
+async def test_a_group_holds_at_most_group_max_and_each_member_has_its_own_outcome(channel):
+    server, pool = channel
+    refusal = ReplicaError(ErrorKind.QUEUE_FULL, "full", retry_after_s=3.0)
+    handle = GroupHandle(None, lambda a, rs: GroupCall(pool, a, rs, refuse={"b1": refusal}))
+    client = ReplicaClient(handle, channel=server, group_max=2)
+    got = await asyncio.gather(
+        *(texts(client, bulk(f"b{i}")) for i in range(3)), return_exceptions=True
+    )
+    assert got[0] == "all of b0" and got[2] == "all of b2"
+    assert isinstance(got[1], QueueFull) and got[1].retry_after_s == 3.0
+    assert [[r.request_id for r in g.requests] for g in handle.groups] == [["b0", "b1"], ["b2"]]
+
+    died = RayTaskError("stream_group", "traceback", ActorDiedError())
+    handle = GroupHandle(None, lambda a, rs: GroupCall(pool, a, [], error=died))
+    client = ReplicaClient(handle, channel=server, group_max=16)
+    got = await asyncio.gather(
+        *(texts(client, bulk(f"c{i}")) for i in range(2)), return_exceptions=True
+    )
+    assert all(isinstance(g, Unavailable) for g in got)  # the call failed: every member
+    assert server._inboxes == {}
+
+
+async def test_a_group_call_is_cancelled_once_every_member_has_left(channel):
+    server, pool = channel
+    handle = GroupHandle(None, lambda a, rs: GroupCall(pool, a, rs, hang=True))
+    client = ReplicaClient(handle, channel=server, group_max=16)
+    streams = [client.generate(bulk(f"b{i}")) for i in range(2)]
+    reads = [asyncio.ensure_future(anext(s)) for s in streams]
+    await asyncio.sleep(0.05)
+    (group,) = handle.groups
+    assert len(group.requests) == 2 and not any(r.done() for r in reads)
+    reads[0].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reads[0]
+    await streams[0].aclose()
+    await asyncio.sleep(0.01)
+    assert not group.cancelled  # the other member still waits for its output
+    await client.abort("b1")  # as the ingress does when a client goes away
+    assert group.cancelled
+    reads[1].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reads[1]
+    await streams[1].aclose()
+    assert server._inboxes == {} and client._inflight == {}
+
+    # one member got its whole output, the other's reader leaves: nothing is left to wait for
+    handle = GroupHandle(None, lambda a, rs: GroupCall(pool, a, rs, hold={"c1"}))
+    client = ReplicaClient(handle, channel=server, group_max=16)
+    done = asyncio.ensure_future(texts(client, bulk("c0")))
+    held = client.generate(bulk("c1"))
+    read = asyncio.ensure_future(anext(held))
+    assert await done == "all of c0"
+    assert not handle.groups[0].cancelled  # c1 still runs
+    read.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await read
+    await held.aclose()
+    assert handle.groups[0].cancelled

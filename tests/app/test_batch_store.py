@@ -24,13 +24,19 @@ def test_a_result_is_stored_once_and_counted_once(tmp_path: Path) -> None:
     assert store.get_batch(batch.id, "someone else") is None
 
 
+def completion_lines(store: BatchStore, prefix: str, n: int) -> str:
+    """An input file of `n` /v1/completions lines (custom ids prefix0, prefix1, ...)."""
+    file_id = new_id("file")
+    lines = [{"custom_id": f"{prefix}{i}", "method": "POST", "url": "/v1/completions",
+              "body": {}} for i in range(n)]  # fmt: skip
+    store.file_path(file_id).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    store.add_file(file_id, "", f"{prefix}.jsonl", "batch", 1, n)
+    return file_id
+
+
 async def test_an_expired_batch_lists_its_unrun_lines_as_errors(tmp_path: Path) -> None:
     store = BatchStore(tmp_path)
-    file_id = new_id("file")
-    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/completions", "body": {}}
-             for i in range(3)]  # fmt: skip
-    store.file_path(file_id).write_text("".join(json.dumps(x) + "\n" for x in lines))
-    store.add_file(file_id, "", "e.jsonl", "batch", 1, 3)
+    file_id = completion_lines(store, "e", 3)
     batch = store.add_batch("", file_id, "/v1/completions", "1m", -1, 3, None)  # already past
     store.record_result(batch.id, 0, "e0", True, {"custom_id": "e0"})
     never_called: Any = None  # the runner never reaches the OpenAI layer for an expired batch
@@ -64,8 +70,60 @@ def test_batches_fill_idle_engines_and_back_off_under_interactive_load() -> None
     def capacity(throttle: SpareCapacity, engine: EngineStats, own: int) -> int:
         return own + bulk_room(throttle, {"": engine}, own)
 
-    idle = SpareCapacity(busy_share=0.25, hold_s=0)
+    idle = SpareCapacity(busy_share=0.25, hold_s=0, queue_ahead=0)
     assert capacity(idle, stats(ClassCounts(bulk=20)), own=20) == 32  # its own lines
     assert capacity(idle, stats(ClassCounts(bulk=20)), own=5) == 17  # 15 bulk are others'
     assert capacity(idle, stats(ClassCounts(interactive=3, bulk=8)), own=8) == 8  # a quarter
     assert capacity(idle, stats(ClassCounts(interactive=32), ClassCounts(interactive=5)), 0) == 1
+
+
+async def test_lines_start_in_bunches_once_an_eighth_of_the_capacity_is_free(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """So the replica client can send them in one Serve call (actors/replica_client.py)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import app.batch.runner as runner_module
+
+    store = BatchStore(tmp_path)
+    file_id = completion_lines(store, "l", 40)
+    batch = store.add_batch("", file_id, "/v1/completions", "24h", 3600, 40, None)
+    started: list[str] = []
+    release: dict[str, asyncio.Event] = {}
+
+    class Layer:
+        async def prepare(self, url: str, body: Any, *, headers: Any, request_id: str) -> Any:
+            return SimpleNamespace(stream=False, request_id=request_id)
+
+    async def complete(job: Any) -> dict[str, Any]:
+        started.append(job.request_id)
+        release[job.request_id] = event = asyncio.Event()
+        await event.wait()
+        return {"usage": {"completion_tokens": 1}}
+
+    monkeypatch.setattr(runner_module, "complete", complete)
+    runner = BatchRunner(store, Layer(), lambda own: 16, bunch=16)  # type: ignore[arg-type]
+    task = asyncio.create_task(runner.run_batch(batch.id))
+
+    async def settle() -> None:
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    await settle()
+    assert len(started) == 16  # none in flight: every free place at once
+    release[started[0]].set()
+    await settle()
+    assert len(started) == 16  # 1 free of 16: less than 1/8
+    release[started[1]].set()
+    await settle()
+    assert len(started) == 18  # 2 free: both start together
+    for _ in range(100):
+        for event in release.values():
+            event.set()
+        await settle()
+        if task.done():
+            break
+    await task
+    done = store.get_batch(batch.id, None)
+    assert done is not None and done.status == "completed" and done.completed == 40
