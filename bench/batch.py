@@ -1,11 +1,12 @@
 """Batch jobs benchmark: a 2,000-line batch through the `serve_config.yaml` application (one
 model replica of the demo model), against interactive chat and against the engine alone.
 
-    python bench/batch.py [--lines 2000] [--chat-s 20]
+    python bench/batch.py [--lines 2000] [--chat-s 20] [--rounds 2]
 
 Prints progress, then as its LAST line one JSON object, from one run:
   interactive_ttft_p95_ratio  chat TTFT p95 while the batch runs / with no batch, the same
-                              steady chat load (4 requests/s)                  (target <= 1.2)
+                              steady chat load (4 requests/s), each pooled over `rounds`
+                              alternating rounds of `chat_s` seconds             (target <= 1.2)
   batch_tokens_per_s_ratio    output tokens/s of the batch with no chat load / the same
                               lines sent straight to an in-process engine of the same
                               config at its best concurrency (all seats)       (target >= 0.8)
@@ -13,7 +14,9 @@ Prints progress, then as its LAST line one JSON object, from one run:
   duplicate_lines             custom_ids answered more than once                  (must be 0)
 
 The engine-alone baseline runs first, before Ray starts, so the two never share the CPU. The
-batch-alone run starts once the bulk throttle's `hold_s` has passed after the chat load.
+batch-alone run starts once the bulk throttle's `hold_s` has passed after the chat load, and
+so does each quiet round after a busy one. Quiet and busy chat rounds alternate so a drift
+of the machine's speed over the run weighs on both alike.
 """
 
 from __future__ import annotations
@@ -169,6 +172,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lines", type=int, default=2000)
     parser.add_argument("--chat-s", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=2)
     opts = parser.parse_args()
     lines = batch_lines(opts.lines)
     with tempfile.TemporaryDirectory(prefix="fl-bench-batch-") as directory:
@@ -197,7 +201,8 @@ def main() -> None:
             # "With no chat load": the bulk throttle lends the replica all its seats once it
             # has seen no chat for `hold_s` (it cannot tell a pause from the end of the load).
             hold_s = float(config.policies.options("bulk_throttle").get("hold_s", 0.0))
-            time.sleep(hold_s + 2 * config.replica.stats_interval_s)
+            settle_s = hold_s + 2 * config.replica.stats_interval_s
+            time.sleep(settle_s)
             started = time.perf_counter()
             batch = wait_done(client, submit(client, lines))
             seconds = time.perf_counter() - started
@@ -210,16 +215,24 @@ def main() -> None:
             dupes = sum(n - 1 for n in Counter(o["custom_id"] for o in out).values() if n > 1)
             log(f"batch alone: {alone:.0f} output tokens/s, {ok} lines ok in {seconds:.0f} s")
 
-            busy_id = submit(client, lines)
-            while client.batches.retrieve(busy_id).request_counts.completed < 50:
-                time.sleep(0.2)
-            busy = asyncio.run(chat_ttfts(base, opts.chat_s))
-            progress = client.batches.retrieve(busy_id).request_counts.completed
-            client.batches.cancel(busy_id)
+            busy: list[float] = []
+            for round_ in range(opts.rounds):
+                if round_:  # another quiet round, once the last batch is gone
+                    time.sleep(settle_s)
+                    quiet += asyncio.run(chat_ttfts(base, opts.chat_s))
+                busy_id = submit(client, lines)
+                while client.batches.retrieve(busy_id).request_counts.completed < 50:
+                    time.sleep(0.2)
+                busy += asyncio.run(chat_ttfts(base, opts.chat_s))
+                progress = client.batches.retrieve(busy_id).request_counts.completed
+                client.batches.cancel(busy_id)
+                wait_done(client, busy_id)
+                log(f"round {round_ + 1}: the batch did {progress} lines during the chats")
             log(
-                f"chat TTFT p95 with a batch running: {percentile(busy, 0.95) * 1e3:.1f} ms "
-                f"(the batch did {progress} lines meanwhile; median "
-                f"{statistics.median(busy) * 1e3:.1f} vs {statistics.median(quiet) * 1e3:.1f} ms)"
+                f"chat TTFT p95 without / with a batch running: "
+                f"{percentile(quiet, 0.95) * 1e3:.1f} / {percentile(busy, 0.95) * 1e3:.1f} ms "
+                f"({len(quiet)} / {len(busy)} chats; median "
+                f"{statistics.median(quiet) * 1e3:.1f} / {statistics.median(busy) * 1e3:.1f} ms)"
             )
         finally:
             stop_serve()
