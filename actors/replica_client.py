@@ -248,9 +248,15 @@ class ReplicaClient:
             return
         assert self._unary is not None and self._channel is not None
         requests = [m.request for m in members]
-        with own_serve_request_id():
-            group.response = self._unary.stream_group.remote(requests, self._channel.address)
         retry_after_s = self._backpressure_retry_s(requests[0])
+        try:
+            with own_serve_request_id():
+                group.response = self._unary.stream_group.remote(requests, self._channel.address)
+        except Exception as exc:  # (run from the loop: raised here it would reach nobody)
+            error = _translate(exc, retry_after_s)
+            for member in members:
+                member.outcome.set_exception(error)
+            return
         outcome = asyncio.ensure_future(_outcome(group.response, retry_after_s))
         outcome.add_done_callback(functools.partial(_settle, members))
 

@@ -540,6 +540,16 @@ async def test_a_group_holds_at_most_group_max_and_each_member_has_its_own_outco
     assert all(isinstance(g, Unavailable) for g in got)  # the call failed: every member
     assert server._inboxes == {}
 
+    def refused(address, requests):  # Serve's own queue is full: raised by .remote()
+        raise BackPressureError(num_queued_requests=9, max_queued_requests=8)
+
+    client = ReplicaClient(GroupHandle(None, refused), channel=server, group_max=16)
+    got = await asyncio.gather(
+        *(texts(client, bulk(f"d{i}")) for i in range(2)), return_exceptions=True
+    )
+    assert all(isinstance(g, QueueFull) for g in got)
+    assert server._inboxes == {} and client._inflight == {}
+
 
 async def test_a_group_call_is_cancelled_once_every_member_has_left(channel):
     server, pool = channel
