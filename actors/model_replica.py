@@ -11,8 +11,9 @@ What it adds to the engine, and nothing else:
   here) the request is aborted within one engine step and its KV blocks return;
 * `stream_group(requests, address)`: several requests in one Serve call, each as by
   `stream_to` (a caller's bulk requests that want their output whole, e.g. a batch's lines:
-  see actors/replica_client.py); returns their outcomes in order once all have ended, and
-  cancelling it aborts those still running;
+  see actors/replica_client.py); returns their outcomes in order once all have ended (what
+  fails one request, a refusal before or after it started, is a `ReplicaError` of its own;
+  only a broken token channel fails the call), and cancelling it aborts those still running;
 * `generate(request)`: the same over a Serve stream (one item per delta; the first one is
   yielded the moment it exists), for `ingress.token_path: stream`;
 * `check_health` fails once the engine loop has died, so Serve replaces the replica;
@@ -43,7 +44,7 @@ from actors.draft_channel import RemoteDraftProposer
 from actors.messages import ReplicaError, ReplicaInfo, ReplicaStats
 from actors.runtime import deployment_name, node_id, replica_id, rss_bytes
 from actors.settings import AppConfig
-from actors.token_channel import ChannelAddress, ChannelPool
+from actors.token_channel import ChannelAddress, ChannelClosedError, ChannelPool
 from demo.paths import resolve_model
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequest, QueueFull, Unavailable
@@ -131,8 +132,16 @@ class ModelReplica:
     async def stream_group(
         self, requests: list[Request], address: ChannelAddress
     ) -> list[ReplicaError | None]:
+        async def one(request: Request) -> ReplicaError | None:
+            try:
+                return await self.stream_to(request, address)
+            except ChannelClosedError:
+                raise  # the ingress is gone: every request of the call with it
+            except Exception as exc:  # this request's alone (a late refusal, a stalled reader)
+                return ReplicaError.from_exception(exc)
+
         async with asyncio.TaskGroup() as group:  # one failing (the channel broke) ends all
-            tasks = [group.create_task(self.stream_to(r, address)) for r in requests]
+            tasks = [group.create_task(one(r)) for r in requests]
         return [task.result() for task in tasks]
 
     async def generate(self, request: Request) -> AsyncIterator[TokenDelta | ReplicaError]:

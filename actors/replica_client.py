@@ -241,15 +241,17 @@ class ReplicaClient:
     def _send_group(self, group: _Group) -> None:
         if self._group is group:
             self._group = None
-        if group.response is not None:  # sent already (it filled up)
+        if group.sent:  # it filled up and went at once
             return
+        group.sent = True
         members = [m for m in group.members if not m.left]
         if not members:
             return
-        assert self._unary is not None and self._channel is not None
         requests = [m.request for m in members]
-        retry_after_s = self._backpressure_retry_s(requests[0])
+        retry_after_s = None
         try:
+            assert self._unary is not None and self._channel is not None
+            retry_after_s = self._backpressure_retry_s(requests[0])
             with own_serve_request_id():
                 group.response = self._unary.stream_group.remote(requests, self._channel.address)
         except Exception as exc:  # (run from the loop: raised here it would reach nobody)
@@ -370,11 +372,12 @@ class _Member:
 class _Group:
     """Bulk whole-output requests sent in one `ModelReplica.stream_group` call."""
 
-    __slots__ = ("abandoned", "members", "response")
+    __slots__ = ("abandoned", "members", "response", "sent")
 
     def __init__(self) -> None:
         self.members: list[_Member] = []
-        self.response: Any = None  # the Serve call, once sent
+        self.sent = False
+        self.response: Any = None  # the Serve call, once sent (None: refused at once)
         self.abandoned = False  # a member left before its last delta
 
     def add(self, request: Request) -> _Member:

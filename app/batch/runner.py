@@ -5,11 +5,11 @@ routing as HTTP, as fast as spare capacity allows, each result stored exactly on
 runner left: a restarted runner resumes them) and runs each:
 
 * validating → in_progress; lines whose results are stored already are skipped (they ran
-  before a restart), the rest run with at most `capacity()` in flight, re-read before each
-  launch (the cluster bulk throttle, `policies.bulk_throttle`: every seat of a replica with
-  no interactive request, a small share of one serving some), so the batch fills the fleet
-  when interactive load falls and backs off when it rises. Lines start in bunches: once
-  1/8 of the capacity (at most `bunch`) is free, or when none is in flight, so the replica
+  before a restart), the rest run with at most `capacity()` in flight (the cluster bulk
+  throttle, `policies.bulk_throttle`: every seat of a replica with no interactive request,
+  a small share of one serving some), so the batch fills the fleet when interactive load
+  falls and backs off when it rises. Lines start in bunches, the capacity read before each:
+  once 1/8 of it (at most `bunch`) is free, or when none is in flight, so the replica
   client can send a bunch in one Serve call (actors/replica_client.py);
 * a line that is not valid JSON, lacks `custom_id`/`method`/`url`/`body`, names another
   endpoint, or is refused by the OpenAI layer (bad parameters, unknown model) becomes an
@@ -148,8 +148,10 @@ class BatchRunner:
                 capacity = self.capacity(self.in_flight)
                 free = capacity - self.in_flight
                 enough = 1 if not self.in_flight else max(1, min(self.bunch, capacity // 8))
-                if free >= enough or self._stopping(batch.id):
-                    return 0 if self._stopping(batch.id) else free
+                if self._stopping(batch.id):
+                    return 0
+                if free >= enough:
+                    return free
                 wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), self.poll_s)
@@ -163,9 +165,9 @@ class BatchRunner:
                     custom_id, line = _parse_line(raw)
                     if custom_id in done:
                         continue
-                    if not burst:
+                    if burst <= 0:
                         burst = await room()
-                        if not burst:
+                        if burst <= 0:
                             return
                     burst -= 1
                     self.in_flight += 1

@@ -5,7 +5,9 @@ health, and the stats push."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -146,23 +148,38 @@ async def test_cancellation_aborts_the_request_and_frees_its_blocks():
         await replica.__del__()
 
 
-async def test_a_group_call_streams_each_request_and_cancelling_it_aborts_them_all():
-    """`stream_group`, as a batch's lines reach the replica: each request's whole output over
-    the token channel, each outcome in order (a refusal is that request's alone), and
-    Serve's cancel of the call aborts every request still running."""
+@contextlib.asynccontextmanager
+async def replica_and_channel() -> AsyncIterator[tuple[Any, Any]]:
+    """A replica and a caller's token channel on the same node (as BatchJobs has)."""
     from actors.token_channel import ChannelServer
 
     replica = await make_replica()
     server = ChannelServer()
     await server.start(ingress_id="batch", node_id=replica.channels.node_id, tcp_host=None)
     try:
+        yield replica, server
+    finally:
+        await server.stop()
+        await replica.__del__()
+
+
+def opened(server: Any, requests: list[Request]) -> dict[str, Any]:
+    """Each request's inbox on `server`; each wants its output whole (as a batch line)."""
+    for r in requests:
+        r.whole_output = True
+    return {r.request_id: server.open(r.request_id) for r in requests}
+
+
+async def test_a_group_call_streams_each_request_and_cancelling_it_aborts_them_all():
+    """`stream_group`, as a batch's lines reach the replica: each request's whole output over
+    the token channel, each outcome in order (a refusal is that request's alone), and
+    Serve's cancel of the call aborts every request still running."""
+    async with replica_and_channel() as (replica, server):
         assert server.address is not None
         prompt = await prompt_ids(replica)
         group = [request(f"g{i}", prompt, max_tokens=4 + i) for i in range(3)]
         group.insert(1, request("long", [1] * (replica.engine.max_model_len + 1)))
-        inboxes = {r.request_id: server.open(r.request_id) for r in group}
-        for r in group:
-            r.whole_output = True
+        inboxes = opened(server, group)
         outcomes = await replica.stream_group(group, server.address)
         assert outcomes[0] is None and outcomes[2] is None and outcomes[3] is None
         assert isinstance(outcomes[1], ReplicaError) and outcomes[1].param == "prompt"
@@ -191,9 +208,33 @@ async def test_a_group_call_streams_each_request_and_cancelling_it_aborts_them_a
         assert stats.engine.running.total == 0
         assert stats.engine.num_cancelled == baseline.engine.num_cancelled + 2
         assert stats.engine.kv.num_free_blocks == baseline.engine.kv.num_free_blocks
-    finally:
-        await server.stop()
-        await replica.__del__()
+
+
+async def test_a_request_failing_after_it_started_fails_alone_in_its_group():
+    """What fails one request once it runs (here the engine's stall cut, as
+    `AsyncEngine._cut_stalled_readers` applies it) is that request's outcome; the others of
+    its call run to their end."""
+    from engine.async_engine import ReaderStalledError
+
+    async with replica_and_channel() as (replica, server):
+        assert server.address is not None
+        prompt = await prompt_ids(replica)
+        group = [request(rid, prompt, max_tokens=64) for rid in ("a", "cut", "b")]
+        inboxes = opened(server, group)
+        call = asyncio.ensure_future(replica.stream_group(group, server.address))
+        engine = replica.engine
+        for _ in range(200):
+            if (await replica.stats()).engine.running.total == 3:
+                break
+            await asyncio.sleep(0.01)
+        engine._submit(abort="cut")
+        engine._slots["cut"].fail(ReaderStalledError("reader stalled for more than 30s"))
+        outcomes = await call
+        assert outcomes[0] is None and outcomes[2] is None
+        assert isinstance(outcomes[1], ReplicaError) and outcomes[1].kind is ErrorKind.UNAVAILABLE
+        for rid in ("a", "b"):
+            last = await inboxes[rid].get()
+            assert last.finish_reason == "length" and len(last.token_ids) == 64
 
 
 async def test_stats_are_pushed_and_health_fails_once_the_engine_loop_is_gone():

@@ -540,14 +540,21 @@ async def test_a_group_holds_at_most_group_max_and_each_member_has_its_own_outco
     assert all(isinstance(g, Unavailable) for g in got)  # the call failed: every member
     assert server._inboxes == {}
 
+    sent: list[list[Request]] = []
+
     def refused(address, requests):  # Serve's own queue is full: raised by .remote()
+        sent.append(requests)
         raise BackPressureError(num_queued_requests=9, max_queued_requests=8)
 
-    client = ReplicaClient(GroupHandle(None, refused), channel=server, group_max=16)
-    got = await asyncio.gather(
-        *(texts(client, bulk(f"d{i}")) for i in range(2)), return_exceptions=True
-    )
-    assert all(isinstance(g, QueueFull) for g in got)
+    for group_max in (16, 2):  # sent at the end of the pass, and at once when it fills up
+        client = ReplicaClient(GroupHandle(None, refused), channel=server, group_max=group_max)
+        got = await asyncio.gather(
+            *(texts(client, bulk(f"d{i}")) for i in range(2)), return_exceptions=True
+        )
+        assert all(isinstance(g, QueueFull) for g in got)
+        await asyncio.sleep(0.01)
+        assert len(sent) == 1  # refused once, never sent again
+        sent.clear()
     assert server._inboxes == {} and client._inflight == {}
 
 
@@ -566,7 +573,7 @@ async def test_a_group_call_is_cancelled_once_every_member_has_left(channel):
     await streams[0].aclose()
     await asyncio.sleep(0.01)
     assert not group.cancelled  # the other member still waits for its output
-    await client.abort("b1")  # as the ingress does when a client goes away
+    await client.abort("b1")  # `EngineClient.abort`: leave it unfinished
     assert group.cancelled
     reads[1].cancel()
     with contextlib.suppress(asyncio.CancelledError):
