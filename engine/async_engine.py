@@ -22,9 +22,12 @@ dispatches.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Mapping, Sized
+from collections.abc import AsyncGenerator, Callable, Mapping, Sized
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +39,8 @@ from engine.request import Request, RequestClass, TokenDelta, merge_deltas
 from engine.sched.admission import Admission
 from engine.spec.proposer import Proposer
 from engine.stats import ClassCounts, EngineStats, KVStats
+
+logger = logging.getLogger(__name__)
 
 
 class ReaderStalledError(RuntimeError):
@@ -104,6 +109,50 @@ def _counts(queues: Mapping[RequestClass, Sized]) -> ClassCounts:
     return ClassCounts(len(queues[RequestClass.INTERACTIVE]), len(queues[RequestClass.BULK]))
 
 
+def _lower_own_priority() -> str:
+    """Put the calling thread at the lowest CPU priority it can get without privilege:
+    Linux's SCHED_IDLE (it runs only on a CPU nothing else wants), else niceness 19. Both are
+    per thread on Linux and one-way for an unprivileged thread. Returns what it got."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return "SCHED_IDLE"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+        return "nice 19"
+    except (AttributeError, OSError):
+        return "normal priority (no lower one allowed)"
+
+
+class IdleRunner:
+    """Runs calls, one at a time, on a thread of its own at the lowest CPU priority
+    (`_lower_own_priority`): the engine thread hands it the bulk-only steps that should
+    yield the CPU, and waits for each.
+
+    Why: on a host whose cores are busy, every process on a chat's way (ingress, Serve's
+    handoff, the replica's event loop) waits for a CPU the bulk steps hold; a thread at normal
+    priority that wakes there preempts an idle-priority one at once. Only a thread can be
+    lowered and raised again without privilege by running on another thread, hence this one.
+    The priority is a hint to the OS scheduler, not a lock: with CPUs free it changes nothing."""
+
+    def __init__(self) -> None:
+        self.priority = ""
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="firstlight-engine-idle", initializer=self._start
+        )
+
+    def _start(self) -> None:
+        self.priority = _lower_own_priority()
+        logger.info("bulk steps that yield to chat run at %s", self.priority)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self._pool.submit(fn, *args).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 class AsyncEngine:
     """`stall_timeout_s` defaults to the engine config's; `admission` to one bounded by the
     scheduler's `max_waiting` and `interactive_reserve`."""
@@ -132,6 +181,14 @@ class AsyncEngine:
         # Set when an interactive request is queued for the engine thread, cleared when that
         # thread takes the adds: a bulk-only step in progress stops for it (LLMEngine.step).
         self._interactive_added = False
+        # Bulk-only steps within bulk_idle_priority_s of the last interactive request run on
+        # the idle runner (CPU engines; EngineConfig.bulk_idle_priority_s).
+        self._idle_window_s = config.bulk_idle_priority_s
+        self._idle_runner: IdleRunner | None = None
+        if self._idle_window_s > 0 and engine.runner.device.type == "cpu":
+            self._idle_runner = IdleRunner()
+        self._interactive_at = float("-inf")  # monotonic time the engine last held one
+        self.num_idle_steps = 0  # steps run on the idle runner
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -200,6 +257,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
+        if self._idle_runner is not None:
+            self._idle_runner.shutdown()
         for slot in self._slots.values():
             slot.fail(RuntimeError("engine shut down"))
 
@@ -346,7 +405,11 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                     self._interactive_added = False
-                result = self._step(adds, aborts)
+                if self._yields_cpu(adds):
+                    self.num_idle_steps += 1
+                    result = self._idle_runner.run(self._step, adds, aborts)  # type: ignore[union-attr]
+                else:
+                    result = self._step(adds, aborts)
                 queues = (result.waiting, result.running)
                 if result.deltas or result.rejected or adds or queues != posted:
                     posted = queues
@@ -360,6 +423,22 @@ class AsyncEngine:
             self._failure = exc
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _yields_cpu(self, adds: list[Request]) -> bool:
+        """Whether the next step serves bulk work only, within the idle window of the last
+        interactive request the engine held (engine thread only: it reads the scheduler)."""
+        if self._idle_runner is None:
+            return False
+        sched = self.engine.scheduler
+        now = time.monotonic()
+        if (
+            sched.running[RequestClass.INTERACTIVE]
+            or sched.waiting[RequestClass.INTERACTIVE]
+            or any(a.request_class is RequestClass.INTERACTIVE for a in adds)
+        ):
+            self._interactive_at = now
+            return False
+        return now - self._interactive_at < self._idle_window_s
 
     def _interactive_waits(self) -> bool:
         """Whether an interactive request was queued since the engine thread last took the

@@ -103,6 +103,12 @@ class EngineConfig:
     # arrives, and runs again with it (engine.llm_engine.LLMEngine.step): chat never waits
     # out a bulk step. The stopped part is recomputed (at most one step per arrival).
     interrupt_bulk_steps: bool = True
+    # For this long after the engine last held an interactive request, a step that serves only
+    # bulk work runs on a thread at the OS's idle CPU priority (engine.async_engine.IdleRunner):
+    # any other runnable thread on the host, the chat's own way through the ingress and Serve
+    # included, takes the CPU from it at once. Past it (a batch alone) bulk steps run at normal
+    # priority. 0: off. CPU engines only (a GPU step's CPU time is launches the GPU waits on).
+    bulk_idle_priority_s: float = field(default=5.0, metadata={"ge": 0})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
