@@ -170,3 +170,23 @@ def test_the_idle_runner_thread_is_at_idle_priority_and_the_caller_is_not() -> N
         assert time.monotonic() - start < 5
     finally:
         runner.shutdown()
+
+
+@linux_only
+def test_hurry_lifts_the_runner_until_its_next_call() -> None:
+    """Where the process may raise a thread's priority (root here and in CI), `hurry` puts
+    the runner's thread back at normal priority at once, and its next call lowers it again;
+    elsewhere `hurry` changes nothing and never fails."""
+    runner = IdleRunner()
+    try:
+        tid = runner.run(threading.get_native_id)
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        runner.hurry()
+        may_raise = os.geteuid() == 0
+        assert os.sched_getscheduler(tid) == (os.SCHED_OTHER if may_raise else os.SCHED_IDLE)
+        assert runner.run(os.sched_getscheduler, 0) == os.SCHED_IDLE
+        runner.hurry()
+        runner.hurry()  # twice before a call: one lift
+        assert runner.run(os.sched_getscheduler, 0) == os.SCHED_IDLE
+    finally:
+        runner.shutdown()
