@@ -51,6 +51,11 @@ class SchedulerConfig:
     interactive_reserve: int | None = field(default=None, metadata={"ge": 0})
     policy: str = "priority"
     aging_s: float | None = field(default=30.0, metadata={"ge": 0.0})
+    # Under a class-aware order, a step that yields an interactive request's first token
+    # carries no bulk chunks, unless the step before it left bulk out too (so bulk still
+    # runs at least every other step): bulk rows never lengthen the step a chat's TTFT ends
+    # with. Their chunks come again in the next step.
+    first_token_alone: bool = True
     interactive_ttft_s: float = field(default=1.0, metadata={"ge": 0.0})
     bulk_ttft_s: float = field(default=30.0, metadata={"ge": 0.0})
 

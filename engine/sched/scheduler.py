@@ -125,6 +125,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.clock = clock
         self.order = order if order is not None else build_step_order(config)
+        self._bulk_left_out = False  # the last step's bulk chunks were left out
         # Both sorted by key (`Sequence.order_key`).
         self.waiting: dict[RequestClass, list[Sequence]] = {c: [] for c in _CLASSES}
         self.running: dict[RequestClass, list[Sequence]] = {c: [] for c in _CLASSES}
@@ -189,7 +190,27 @@ class Scheduler:
                 self._run(seq.request_class, until, step)
             else:
                 self._admit(seq, step)
-        return step.out
+        return self._first_token_alone(step.out)
+
+    def _first_token_alone(self, out: SchedulerOutput) -> SchedulerOutput:
+        """`SchedulerConfig.first_token_alone`: leave the bulk chunks out of a step that
+        yields an interactive request's first token (not twice in a row). A chunk left out
+        keeps its sequence's place and blocks, and is scheduled again from where it stood
+        (as after an interrupted step)."""
+        left_out, self._bulk_left_out = self._bulk_left_out, False
+        if left_out or not self.config.first_token_alone or not self.order.class_aware:
+            return out
+        bulk = RequestClass.BULK
+        if not any(
+            c.samples
+            and c.seq.request_class is RequestClass.INTERACTIVE
+            and c.seq.num_output_tokens == 0
+            for c in out.chunks
+        ) or all(c.seq.request_class is not bulk for c in out.chunks):
+            return out
+        out.chunks = [c for c in out.chunks if c.seq.request_class is not bulk]
+        self._bulk_left_out = True
+        return out
 
     def update(self, out: SchedulerOutput, num_accepted: Mapping[str, int] | None = None) -> None:
         """Account the chunks the model just computed.

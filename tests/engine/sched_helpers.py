@@ -72,14 +72,18 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     clock: FakeClock | None = None,
     order: StepOrderPolicy | None = None,
+    first_token_alone: bool = False,
 ) -> Scheduler:
-    """A scheduler over a fresh KV pool; `order` defaults to the config's (priority)."""
+    """A scheduler over a fresh KV pool; `order` defaults to the config's (priority).
+    `first_token_alone` is off unless a test is about it (tests/engine/test_scheduler_order.py):
+    the others check how the budget is shared."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_waiting=max_waiting,
         bulk_min_share=bulk_min_share,
+        first_token_alone=first_token_alone,
     )
     return Scheduler(config, kv, max_model_len, clock=clock or FakeClock(), order=order)
 

@@ -308,3 +308,63 @@ def test_every_step_follows_the_keys(order):
                 sched.finish(seq, FinishReason.LENGTH)
     assert not todo and not sched.has_unfinished()
     assert preemptions > 0 and sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+# -- a chat's first token without bulk rows -----------------------------------------------------
+
+
+def test_the_step_of_a_chats_first_token_leaves_bulk_out_once() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, first_token_alone=True)
+    fill(sched, make_seq("b0", 8, cls=BULK, max_tokens=40), make_seq("b1", 8, cls=BULK))
+    sched.add(make_seq("chat", 12, arrival=1.0))
+    out, _ = run_step(sched)
+    assert chunk_sizes(out) == {"chat": 12}  # bulk's decode rows wait one step
+    sched.add(make_seq("chat2", 12, arrival=2.0))
+    out, _ = run_step(sched)  # another first token at once: bulk is not left out twice
+    assert chunk_sizes(out) == {"chat": 1, "chat2": 12, "b0": 1, "b1": 1}
+    out, _ = run_step(sched)  # decode steps carry bulk as before
+    assert chunk_sizes(out) == {"chat": 1, "chat2": 1, "b0": 1, "b1": 1}
+
+
+def test_a_left_out_bulk_chunk_comes_again_where_it_stood() -> None:
+    """A bulk prompt admitted in the chat's step is left out and prefilled in the next one,
+    from the same place and with the same blocks; its tokens match a run with no chat."""
+    tokens = {}
+    for with_chat in (False, True):
+        sched = make_scheduler(max_num_batched_tokens=64, first_token_alone=True)
+        fill(sched, make_seq("b0", 8, cls=BULK, max_tokens=6))
+        sched.add(make_seq("b1", 20, cls=BULK, max_tokens=6))
+        if with_chat:
+            sched.add(make_seq("chat", 12, arrival=1.0, max_tokens=2))
+        out, _ = run_step(sched)
+        b1 = sched._seqs["b1"]
+        if with_chat:
+            assert chunk_sizes(out) == {"chat": 12}
+            assert b1.status is SequenceStatus.RUNNING and b1.num_computed_tokens == 0
+            blocks = list(b1.block_ids)
+            out, _ = run_step(sched)
+            assert chunk_sizes(out)["b1"] == 20 and b1.block_ids == blocks
+        for _ in range(10):
+            run_step(sched)
+        tokens[with_chat] = b1.token_ids
+        assert not sched.has_unfinished()
+        assert sched.kv.stats().num_free == sched.kv.stats().num_blocks
+    assert tokens[True] == tokens[False]
+
+
+def test_first_token_alone_only_for_a_chats_last_prompt_chunk_and_only_when_on() -> None:
+    sched = make_scheduler(max_num_batched_tokens=32, bulk_min_share=0.25, first_token_alone=True)
+    fill(sched, make_seq("b0", 8, cls=BULK, max_tokens=40))
+    sched.add(make_seq("long", 40, arrival=1.0))  # in two chunks (bulk keeps its 8 of 32)
+    out, _ = run_step(sched)
+    assert "b0" in chunk_sizes(out) and chunk_sizes(out)["long"] < 40  # not its first token
+    out, _ = run_step(sched)
+    assert set(chunk_sizes(out)) == {"long"}  # the chunk that yields the first token
+
+    for first_token_alone, order in ((False, None), (True, FirstComeFirstServed())):
+        # off, or a class-blind order: the chat's first token shares the step with bulk
+        sched = make_scheduler(first_token_alone=first_token_alone, order=order)
+        fill(sched, make_seq("b0", 8, cls=BULK))
+        sched.add(make_seq("chat", 12, arrival=1.0))
+        out, _ = run_step(sched)
+        assert set(chunk_sizes(out)) == {"chat", "b0"}
