@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -216,3 +218,40 @@ def cluster_record(key: str) -> str | None:
         return None
     raw = internal_kv._internal_kv_get(key.encode(), namespace=_RECORD_NAMESPACE)
     return raw.decode() if raw else None
+
+
+def stop_router_loop() -> bool:
+    """Stop the event loop that Serve's handles share in a driver process
+    (`SingletonThreadRouter`'s loop on a daemon thread: the routers' long-poll clients,
+    metrics pushes and its `EventLoopMonitor`), and forget it, so a handle made later starts a
+    new one. Call it after `serve.shutdown()` and before `ray.shutdown()` in a process that goes
+    on without Ray: anything on that loop that reaches Ray after the shutdown ends the process
+    with status 1 ("The core worker has already been shutdown ... The process will exit"),
+    which is how the test run, which shuts Ray down between modules, died in CI after a module
+    that used handles in its own process. Returns whether there was a loop to stop."""
+    try:
+        from ray.serve._private.router import SingletonThreadRouter
+    except ImportError:
+        return False
+    with SingletonThreadRouter._asyncio_loop_creation_lock:
+        loop = getattr(SingletonThreadRouter, "_asyncio_loop", None)
+        monitor = getattr(SingletonThreadRouter, "_event_loop_monitor", None)
+        if loop is None:
+            return False
+        if loop.is_running():
+            stopped = threading.Event()
+
+            def stop() -> None:  # on the loop's own thread
+                if monitor is not None and hasattr(monitor, "stop"):
+                    monitor.stop()
+                loop.stop()
+                stopped.set()
+
+            loop.call_soon_threadsafe(stop)
+            stopped.wait(5)
+            deadline = time.monotonic() + 5
+            while loop.is_running() and time.monotonic() < deadline:
+                time.sleep(0.01)  # run_forever returns after the current iteration
+        SingletonThreadRouter._asyncio_loop = None
+        SingletonThreadRouter._event_loop_monitor = None
+    return True

@@ -17,6 +17,10 @@ a refused request raises `QueueFull` at once, without waiting for the engine thr
 estimates the waiting queues (`num_waiting_by_class`) from the last dispatched step and the
 requests attached since, and feeds the admission's drain meter with the finished deltas it
 dispatches.
+
+One exception to "one thread": a step that serves only bulk work while chat was served within
+`EngineConfig.bulk_idle_priority_s` is handed to `IdleRunner`, a second thread at the OS's idle
+CPU priority, and the engine thread waits for it (steps never overlap); see `IdleRunner`.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def serve_app(config: AppConfig, namespace: str) -> Iterator[AppURL]:
     from ray import serve
 
     from actors.builder import application
-    from actors.serve_internals import with_ingress_port
+    from actors.serve_internals import stop_router_loop, with_ingress_port
     from app.playground.announce import wait_until_up
 
     port = proxy_port = free_port()
@@ -100,6 +100,7 @@ def serve_app(config: AppConfig, namespace: str) -> Iterator[AppURL]:
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
+        stop_router_loop()  # else a task on it may end this process once Ray is gone
         ray.shutdown()
         if old_path is None:
             os.environ.pop("PYTHONPATH", None)

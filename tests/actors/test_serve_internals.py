@@ -286,6 +286,7 @@ def test_every_helper_is_covered_here():
         "cluster_record",
         "router_app_name",
         "with_ingress_port",
+        "stop_router_loop",
     }
 
 
@@ -321,3 +322,51 @@ def test_a_request_router_keeps_its_deployment_id():
         DeploymentID(name="ModelReplica", app_name="app1"), DeploymentHandleSource.UNKNOWN
     )
     need(router_app_name(router) == "app1", "RequestRouter._deployment_id", "gone or renamed")
+
+
+def test_stop_router_loop_stops_and_forgets_the_handles_loop(monkeypatch):
+    import threading
+
+    from ray.serve._private.event_loop_monitoring import EventLoopMonitor
+    from ray.serve._private.router import SingletonThreadRouter
+
+    for name in ("_asyncio_loop", "_event_loop_monitor", "_asyncio_loop_creation_lock"):
+        need(hasattr(SingletonThreadRouter, name), f"SingletonThreadRouter.{name}", "is gone")
+    need(callable(getattr(EventLoopMonitor, "stop", None)), "EventLoopMonitor.stop", "is gone")
+
+    # A loop on a daemon thread with a periodic task, as Serve's router loop has.
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)  # it runs
+    ticking = asyncio.run_coroutine_threadsafe(tick(), loop)
+    stopped_on: list[threading.Thread] = []
+
+    class Monitor:
+        def stop(self) -> None:
+            stopped_on.append(threading.current_thread())
+            ticking.cancel()
+
+    monkeypatch.setattr(SingletonThreadRouter, "_asyncio_loop", loop)
+    monkeypatch.setattr(SingletonThreadRouter, "_event_loop_monitor", Monitor())
+    try:
+        assert serve_internals.stop_router_loop()
+        thread.join(5)
+        assert not thread.is_alive() and not loop.is_running()
+        assert stopped_on == [thread]  # the monitor is stopped on the loop's own thread
+        assert SingletonThreadRouter._asyncio_loop is None  # a later handle makes a new one
+        assert SingletonThreadRouter._event_loop_monitor is None
+    finally:
+        if loop.is_running():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+    assert not serve_internals.stop_router_loop()  # no loop: nothing to stop
