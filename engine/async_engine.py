@@ -444,9 +444,10 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                     self._interactive_added = False
-                if self._yields_cpu(adds):
+                idle = self._idle_runner if self._yields_cpu(adds) else None
+                if idle is not None:
                     self.num_idle_steps += 1
-                    result = self._idle_runner.run(self._step, adds, aborts)  # type: ignore[union-attr]
+                    result = idle.run(self._step, adds, aborts)
                 else:
                     result = self._step(adds, aborts)
                 queues = (result.waiting, result.running)
