@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sized
@@ -145,7 +146,11 @@ class IdleRunner:
         logger.info("bulk steps that yield to chat run at %s", self.priority)
 
     def _lower(self) -> None:
-        """Put this (the runner's) thread at the lowest priority; per thread on Linux."""
+        """Put this (the runner's) thread at the lowest priority; per thread on Linux only
+        (elsewhere both calls would lower the whole process: it stays as it is)."""
+        if not sys.platform.startswith("linux"):
+            self.priority = "normal priority (per-thread priorities are Linux's)"
+            return
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
             self.priority = "SCHED_IDLE"
