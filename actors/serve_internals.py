@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import time
 import uuid
 from collections import deque
@@ -239,19 +238,16 @@ def stop_router_loop() -> bool:
         if loop is None:
             return False
         if loop.is_running():
-            stopped = threading.Event()
 
             def stop() -> None:  # on the loop's own thread
                 if monitor is not None and hasattr(monitor, "stop"):
                     monitor.stop()
                 loop.stop()
-                stopped.set()
 
             loop.call_soon_threadsafe(stop)
-            stopped.wait(5)
             deadline = time.monotonic() + 5
             while loop.is_running() and time.monotonic() < deadline:
-                time.sleep(0.01)  # run_forever returns after the current iteration
+                time.sleep(0.01)  # run_forever returns after the iteration that ran `stop`
         SingletonThreadRouter._asyncio_loop = None
         SingletonThreadRouter._event_loop_monitor = None
     return True

@@ -18,34 +18,30 @@ estimates the waiting queues (`num_waiting_by_class`) from the last dispatched s
 requests attached since, and feeds the admission's drain meter with the finished deltas it
 dispatches.
 
-One exception to "one thread": a step that serves only bulk work while chat was served within
-`EngineConfig.bulk_idle_priority_s` is handed to `IdleRunner`, a second thread at the OS's idle
-CPU priority, and the engine thread waits for it (steps never overlap); see `IdleRunner`.
+One exception to "one thread": a step that serves only bulk work while chat was served
+within `EngineConfig.bulk_idle_priority_s` is handed to `engine.idle_runner.IdleRunner`, a
+second thread at the OS's idle CPU priority, and the engine thread waits for it (steps never
+overlap).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sized
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator, Mapping, Sized
 from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
+from engine.idle_runner import IdleRunner
 from engine.llm_engine import LLMEngine
 from engine.models.resolve import ModelResolver, local_model_dir
 from engine.request import Request, RequestClass, TokenDelta, merge_deltas
 from engine.sched.admission import Admission
 from engine.spec.proposer import Proposer
 from engine.stats import ClassCounts, EngineStats, KVStats
-
-logger = logging.getLogger(__name__)
 
 
 class ReaderStalledError(RuntimeError):
@@ -112,87 +108,6 @@ class _StepResult:
 
 def _counts(queues: Mapping[RequestClass, Sized]) -> ClassCounts:
     return ClassCounts(len(queues[RequestClass.INTERACTIVE]), len(queues[RequestClass.BULK]))
-
-
-class IdleRunner:
-    """Runs calls, one at a time, on a thread of its own at the lowest CPU priority it can
-    get without privilege (Linux's SCHED_IDLE: it runs only on a CPU nothing else wants; else
-    niceness 19): the engine thread hands it the bulk-only steps that should yield the CPU,
-    and waits for each.
-
-    Why: on a host whose cores are busy, every process on a chat's way (ingress, Serve's
-    handoff, the replica's event loop) waits for a CPU the bulk steps hold; a thread at normal
-    priority that wakes there preempts an idle-priority one at once. An unprivileged thread
-    can lower its priority but never raise it back, hence a thread of its own. The priority is
-    a hint to the OS scheduler, not a lock: with CPUs free it changes nothing.
-
-    `hurry` (a chat arrived: the step in progress is to stop at its next layer) lifts the
-    thread to normal priority until its next call, where the process may (CAP_SYS_NICE, e.g.
-    root): else a starved idle thread would reach the layer boundary only when a core frees."""
-
-    def __init__(self) -> None:
-        self.priority = ""
-        self._tid = 0
-        self._lifted = False
-        self._can_lift = True
-        self._normal_nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
-        self._pool = ThreadPoolExecutor(
-            1, thread_name_prefix="firstlight-engine-idle", initializer=self._start
-        )
-
-    def _start(self) -> None:
-        self._tid = threading.get_native_id()
-        self._lower()
-        logger.info("bulk steps that yield to chat run at %s", self.priority)
-
-    def _lower(self) -> None:
-        """Put this (the runner's) thread at the lowest priority; per thread on Linux only
-        (elsewhere both calls would lower the whole process: it stays as it is)."""
-        if not sys.platform.startswith("linux"):
-            self.priority = "normal priority (per-thread priorities are Linux's)"
-            return
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            self.priority = "SCHED_IDLE"
-            return
-        except (AttributeError, OSError):
-            pass
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, 19)
-            self.priority = "nice 19"
-        except (AttributeError, OSError):
-            self.priority = "normal priority (no lower one allowed)"
-
-    def hurry(self) -> None:
-        """Lift the runner's thread to normal priority until its next call (any thread may
-        call this; a no-op where the process may not raise a thread's priority)."""
-        if not self._can_lift or not self._tid or self._lifted:
-            return
-        try:
-            if self.priority == "SCHED_IDLE":
-                os.sched_setscheduler(self._tid, os.SCHED_OTHER, os.sched_param(0))
-            elif self.priority == "nice 19":
-                os.setpriority(os.PRIO_PROCESS, self._tid, self._normal_nice)
-            else:
-                return
-        except PermissionError:
-            self._can_lift = False  # unprivileged: the idle thread finishes its layer as is
-            return
-        except OSError:  # the thread is gone (shut down)
-            return
-        self._lifted = True
-
-    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if self._lifted:
-            self._lifted = False
-            self._lower()
-        return fn(*args)
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self._pool.submit(self._call, fn, args).result()
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 class AsyncEngine:

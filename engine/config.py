@@ -109,7 +109,7 @@ class EngineConfig:
     # out a bulk step. The stopped part is recomputed (at most one step per arrival).
     interrupt_bulk_steps: bool = True
     # For this long after the engine last held an interactive request, a step that serves only
-    # bulk work runs on a thread at the OS's idle CPU priority (engine.async_engine.IdleRunner):
+    # bulk work runs on a thread at the OS's idle CPU priority (engine.idle_runner.IdleRunner):
     # any other runnable thread on the host, the chat's own way through the ingress and Serve
     # included, takes the CPU from it at once. Past it (a batch alone) bulk steps run at normal
     # priority. 0: off. CPU engines only (a GPU step's CPU time is launches the GPU waits on).

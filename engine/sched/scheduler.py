@@ -200,16 +200,11 @@ class Scheduler:
         left_out, self._bulk_left_out = self._bulk_left_out, False
         if left_out or not self.config.first_token_alone or not self.order.class_aware:
             return out
-        bulk = RequestClass.BULK
-        if not any(
-            c.samples
-            and c.seq.request_class is RequestClass.INTERACTIVE
-            and c.seq.num_output_tokens == 0
-            for c in out.chunks
-        ) or all(c.seq.request_class is not bulk for c in out.chunks):
-            return out
-        out.chunks = [c for c in out.chunks if c.seq.request_class is not bulk]
-        self._bulk_left_out = True
+        interactive = [c for c in out.chunks if c.seq.request_class is RequestClass.INTERACTIVE]
+        first_token = any(c.samples and c.seq.num_output_tokens == 0 for c in interactive)
+        if first_token and len(interactive) < len(out.chunks):  # and bulk chunks to leave out
+            out.chunks = interactive
+            self._bulk_left_out = True
         return out
 
     def update(self, out: SchedulerOutput, num_accepted: Mapping[str, int] | None = None) -> None:

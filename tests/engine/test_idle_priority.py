@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.async_engine import AsyncEngine, IdleRunner
+from engine.async_engine import AsyncEngine
+from engine.idle_runner import IdleRunner
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestClass
 from tests.engine.engine_fixture import greedy, make_request, prompt_ids, tiny_config
