@@ -114,6 +114,10 @@ class EngineConfig:
     # included, takes the CPU from it at once. Past it (a batch alone) bulk steps run at normal
     # priority. 0: off. CPU engines only (a GPU step's CPU time is launches the GPU waits on).
     bulk_idle_priority_s: float = field(default=5.0, metadata={"ge": 0})
+    # CUDA engines: decode steps (one token per sequence, up to max_num_seqs sequences) replay
+    # CUDA graphs captured at warm-up when the attention backend supports them
+    # (engine.runner.graphs); off: every step launches its kernels one by one.
+    cuda_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

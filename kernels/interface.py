@@ -15,11 +15,12 @@ One step, as the model runs it:
     for each layer:
         o = backend.forward(q, k, v, meta, kv_cache=layer_cache, scale=scale)
 
-CUDA graphs (declared here, implemented by GPU backends later): a runner that captures decode
-steps calls `init_capture` once, then for each padded batch-size bucket `bs` captures the
-model's forward under the metadata from `prepare_for_capture(bs)`; to run a live decode step
-of `n <= bs` sequences it calls `prepare_for_replay(bs, meta)` and replays that bucket's graph.
-A backend with `supports_graphs = False` raises `GraphsUnsupported` from all three.
+CUDA graphs (`engine.runner.graphs`): a runner that captures decode steps calls
+`init_capture` once, then for each padded batch-size bucket `bs` (and key-length bound)
+captures the model's forward under the metadata from `prepare_for_capture(bs, max_seqlen_k)`;
+to run a live decode step of `n <= bs` sequences it calls `prepare_for_replay(bs, meta)` and
+replays that bucket's graph. A backend with `supports_graphs = False` raises
+`GraphsUnsupported` from all three.
 """
 
 from __future__ import annotations
@@ -163,22 +164,26 @@ class AttentionBackend(ABC, Generic[StateT]):
     ) -> torch.Tensor:
         """Paged causal attention of `q` over the cache (K/V already written)."""
 
-    # CUDA-graph hooks. The contract a graph-capable backend implements:
+    # CUDA-graph hooks. The contract a graph-capable backend implements (one that reads
+    # everything from tensors derives from `kernels.graph_metadata.StaticDecodeMetadata`):
     #  * every tensor a captured kernel reads lives in a static buffer owned by the backend,
     #    allocated once in `init_capture`, so a replay sees new values at the same addresses;
-    #  * captured batches are decode batches (one query per sequence) padded to a bucket size;
-    #  * padding sequences have key length 0 and block-table rows of block 0, so they read
-    #    nothing and write only to slots the runner reserves for padding.
+    #  * captured batches are decode batches (one query per sequence) padded to a bucket size,
+    #    and `max_seqlen_q` / `max_seqlen_k` of captured metadata are upper bounds;
+    #  * padding sequences have key length 0 and slot -1, so they read no key and write
+    #    nothing (the backend's `write_kv` skips negative slots).
 
-    def init_capture(self, max_bs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def init_capture(
+        self, max_bs: int, max_blocks_per_seq: int, device: torch.device, block_size: int
+    ) -> None:
         """Allocate static metadata buffers for decode batches of up to `max_bs` sequences
         with up to `max_blocks_per_seq` blocks each; called once, before any capture."""
         raise GraphsUnsupported(f"attention backend {self.name!r} does not support CUDA graphs")
 
-    def prepare_for_capture(self, bs: int) -> AttentionMetadata:
-        """Metadata for capturing a decode batch of `bs` sequences: its tensors are views of
-        the static buffers and its `state` is prepared, so the captured forward does no
-        host-side work that a replay would skip."""
+    def prepare_for_capture(self, bs: int, max_seqlen_k: int) -> AttentionMetadata:
+        """Metadata for capturing a decode batch of `bs` sequences of at most `max_seqlen_k`
+        keys: its tensors are views of the static buffers and its `state` is prepared, so the
+        captured forward does no host-side work that a replay would skip."""
         raise GraphsUnsupported(f"attention backend {self.name!r} does not support CUDA graphs")
 
     def prepare_for_replay(self, bs: int, meta: AttentionMetadata) -> None:

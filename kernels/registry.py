@@ -28,7 +28,7 @@ B = TypeVar("B", bound=type[AttentionBackend])
 
 log = logging.getLogger("firstlight.kernels")
 
-_SKIP_MODULES = frozenset({"interface", "registry", "kv_write"})
+_SKIP_MODULES = frozenset({"interface", "registry", "kv_write", "graph_metadata"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,8 @@ from typing import ClassVar
 
 import torch
 
-from kernels.interface import AttentionBackend, AttentionMetadata, BackendState, KVCache
+from kernels.graph_metadata import StaticDecodeMetadata
+from kernels.interface import AttentionMetadata, BackendState, KVCache
 from kernels.registry import register_backend
 
 try:
@@ -140,13 +141,13 @@ class TritonState(BackendState):
 
 
 @register_backend(priority=50)
-class TritonPagedBackend(AttentionBackend[TritonState]):
-    """Paged attention for mixed steps in Triton; see the module docstring for the rules."""
+class TritonPagedBackend(StaticDecodeMetadata[TritonState]):
+    """Paged attention for mixed steps in Triton; see the module docstring for the rules.
+    Its launches depend on shapes only, so decode steps run in CUDA graphs over static
+    metadata (`StaticDecodeMetadata`)."""
 
     name = "triton_paged"
-    # The launches depend on shapes only (tests/gpu replays one in a CUDA graph), but the
-    # capture hooks are not written yet.
-    supports_graphs: ClassVar[bool] = False
+    supports_graphs: ClassVar[bool] = True
     state_type: type[TritonState] = TritonState
 
     def __init__(self, tuning: TritonTuning | None = None):

@@ -57,6 +57,11 @@ class RotaryEmbedding:
             self._tables[dtype] = table
         return table
 
+    def reserve(self, positions: int, dtype: torch.dtype) -> None:
+        """Grow the table to `positions` rows now: a CUDA graph captures the table's address,
+        so it must not grow afterwards."""
+        self._table(positions, dtype)
+
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

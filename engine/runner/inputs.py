@@ -103,6 +103,12 @@ class StepBuffers:
         # Flat, so that a step's [B, width] table is one contiguous prefix.
         self._block_table = _Buffer(max_num_seqs * max_blocks_per_seq, torch.int32, dev)
 
+    def device_inputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `n` entries of the device `input_ids` and `positions` buffers, at fixed
+        addresses (what a CUDA graph reads). Past the last step's own tokens they hold earlier
+        steps' values or zeros: valid token ids and positions, never garbage."""
+        return self._input_ids.device[:n], self._positions.device[:n]
+
     def fill(self, step: StepInputs) -> StepTensors:
         """Write `step` into the buffers; the views and metadata of exactly `step`'s sizes."""
         num_tokens = len(step.input_ids)

@@ -14,6 +14,7 @@ allocated a block for every position being computed, drafts included.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -21,9 +22,13 @@ import torch
 from engine.config import EngineConfig
 from engine.device import CPU_KV_CACHE_BYTES, kv_budget_bytes, placed
 from engine.models.loader import ModelInfo, load_model, read_model_info
+from engine.runner.graphs import DecodeGraphs
 from engine.runner.inputs import StepBuffers, StepInputs
 from engine.sched.output import SchedulerOutput
+from kernels.interface import AttentionMetadata
 from kernels.registry import select_backend
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -71,6 +76,7 @@ class ModelRunner:
                 f"{cache.gpu_memory_utilization}) holds no block of {self.bytes_per_block} bytes"
             )
         self.kv_caches = self._allocate_kv(self.num_blocks)
+        self.graphs: DecodeGraphs | None = None  # captured by `warmup` on CUDA
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
@@ -159,13 +165,57 @@ class ModelRunner:
         )
         if n + 1 <= self.num_blocks * bs:
             self._run(StepInputs([0], [n], [n], [0, 1], [n + 1], [blocks], [0]))
+        if (
+            self.config.cuda_graphs
+            and self.device.type == "cuda"
+            and self.backend.supports_graphs
+            and self.graphs is None
+        ):
+            try:
+                self.capture_graphs()
+            except Exception:  # a replica that runs eagerly beats one that does not start
+                logger.exception("capturing CUDA graphs failed; decode steps run eagerly")
+                self.graphs = None
+
+    def capture_graphs(self, *, capture: bool = True) -> DecodeGraphs:
+        """Capture the decode graphs (`engine.runner.graphs`); from now on decode steps replay
+        them. `capture=False` builds the same static path without CUDA graphs (CPU tests)."""
+        sched = self.config.scheduler
+        graphs = DecodeGraphs(
+            self.model,
+            self.backend,
+            self.kv_caches,
+            self.buffers,
+            max_batch=min(sched.max_num_seqs, sched.max_num_batched_tokens),
+            max_model_len=self.max_model_len,
+            dtype=self.info.dtype,
+            capture=capture,
+        )
+        graphs.capture_all()
+        self.graphs = graphs
+        return graphs
+
+    def _replay(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The step's hidden states from a decode graph, or None where none runs it. A
+        graph that fails turns the graphs off: this step and the rest run eagerly."""
+        graph = None if self.graphs is None else self.graphs.lookup(meta)
+        if graph is None or self.graphs is None:
+            return None
+        try:
+            return self.graphs.run(graph, meta)
+        except Exception:
+            logger.exception("a decode graph failed; decode steps run eagerly from now on")
+            self.graphs = None
+            return None
 
     @torch.inference_mode()
     def _run(self, step: StepInputs, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
         inputs = self.buffers.fill(step)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, interrupt
-        )
+        hidden = self._replay(inputs.meta)  # a decode step: one replay, never interrupted
+        if hidden is None:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, interrupt
+            )
         if not step.sample_rows:
             return torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
         if len(step.sample_rows) < hidden.shape[0]:

@@ -3,8 +3,11 @@ block tables, a float64 dense reference, and a model-like driver of a backend.""
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kernels.interface import AttentionBackend, AttentionMetadata
@@ -179,3 +182,35 @@ def forward(backend: AttentionBackend, case: PagedCase, scale: float) -> torch.T
     """One layer's `forward` of `backend` on the case (writes the new K/V into its caches)."""
     kv = (case.k_cache, case.v_cache)
     return backend.forward(case.q, case.k_new, case.v_new, case.meta, kv_cache=kv, scale=scale)
+
+
+def triton_kernel_device() -> torch.device:
+    """Import triton and `kernels.triton_paged` so that the kernels can run in this process,
+    and return where: CUDA when there is a GPU, else the CPU through Triton's interpreter
+    (`TRITON_INTERPRET=1` set while they import, then restored; each test must set it again
+    while it launches, see test_triton_paged.py). Skips the calling test module when triton is
+    not installed or was already imported here outside the interpreter."""
+    if not torch.cuda.is_available() and "triton" in sys.modules:
+        interpreter = sys.modules.get("triton.runtime.interpreter")
+        if interpreter is None or os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip(
+                "triton was imported outside the interpreter in this process: "
+                "test_triton_interpreter.py runs this module in a fresh one",
+                allow_module_level=True,
+            )
+    saved = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pytest.importorskip("triton", reason="triton is not installed")
+        from kernels import triton_paged
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    if triton_paged.interpreted():
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)

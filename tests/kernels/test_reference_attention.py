@@ -134,9 +134,9 @@ def test_cpu_backends_declare_no_cuda_graph_support(backend: str):
     assert instance.supports_graphs is False
     meta = make_case(LAYOUTS["decode_batch"], num_heads=4, kv_heads=4, head_dim=32).meta
     with pytest.raises(GraphsUnsupported, match="does not support CUDA graphs"):
-        instance.init_capture(8, 4, torch.device("cpu"))
+        instance.init_capture(8, 4, torch.device("cpu"), 16)
     with pytest.raises(GraphsUnsupported):
-        instance.prepare_for_capture(4)
+        instance.prepare_for_capture(4, 512)
     with pytest.raises(GraphsUnsupported):
         instance.prepare_for_replay(4, meta)
 

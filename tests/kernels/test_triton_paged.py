@@ -4,10 +4,11 @@ Without CUDA the kernels run on CPU tensors through Triton's interpreter. `TRITO
 must be set when triton is first imported (triton's own `@jit` library functions are
 decorated then), when our kernels are imported, and while they launch (triton imports part of
 itself lazily at the first launch). So this module sets it while it imports triton and
-`kernels.triton_paged` (test modules are imported before any test runs, so this is the
-session's first import of triton) and again around each of its tests, and restores it
-otherwise: the registry never picks the interpreter for other modules' tests. With CUDA the
-same tests run the compiled kernels on the GPU. Skipped when triton is not installed.
+`kernels.triton_paged` (`helpers.triton_kernel_device`; test modules are imported before any
+test runs, so this is the session's first import of triton) and again around each of its
+tests, and restores it otherwise: the registry never picks the interpreter for other modules'
+tests. With CUDA the same tests run the compiled kernels on the GPU. Skipped when triton is not
+installed.
 
 In a whole-suite run on CPU, something else (transformers' modeling code, imported by the
 engine tests) imports triton first, outside the interpreter, and then these kernels cannot
@@ -18,8 +19,6 @@ process of its own.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
@@ -27,43 +26,25 @@ import torch
 from kernels.kv_write import write_kv
 from kernels.reference import TorchReferenceBackend
 from kernels.registry import select_backend
-from tests.kernels.helpers import PagedCase, copy_case, dense_attention, forward, make_case
+from tests.kernels.helpers import (
+    PagedCase,
+    copy_case,
+    dense_attention,
+    forward,
+    make_case,
+    triton_kernel_device,
+)
 
+DEVICE = triton_kernel_device()  # imports triton under the interpreter on a CPU host
 
-def _interpreted() -> bool:
-    """Whether the triton already imported here runs its kernels in the interpreter."""
-    interpreter = sys.modules.get("triton.runtime.interpreter")
-    return interpreter is not None and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-if not torch.cuda.is_available() and "triton" in sys.modules and not _interpreted():
-    pytest.skip(
-        "triton was imported outside the interpreter in this process: "
-        "test_triton_interpreter.py runs this module in a fresh one",
-        allow_module_level=True,
-    )
-
-_saved = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="triton is not installed")
-    from kernels import triton_paged
-    from kernels.triton import attention
-    from kernels.triton import kv_write as triton_kv_write
-    from kernels.triton_paged import LaunchPlan, TritonPagedBackend, TritonTuning, plan_launch
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
-
-if triton_paged.interpreted():
-    DEVICE = torch.device("cpu")
-elif torch.cuda.is_available():
-    DEVICE = torch.device("cuda")
-else:
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+from kernels.triton import attention  # noqa: E402
+from kernels.triton import kv_write as triton_kv_write  # noqa: E402
+from kernels.triton_paged import (  # noqa: E402
+    LaunchPlan,
+    TritonPagedBackend,
+    TritonTuning,
+    plan_launch,
+)
 
 
 @pytest.fixture(autouse=True)
