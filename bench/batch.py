@@ -9,17 +9,17 @@ Prints progress, then as its LAST line one JSON object, from one run:
                               alternating rounds of `chat_s` seconds             (target <= 1.2)
   batch_tokens_per_s_ratio    output tokens/s of the batch with no chat load / the same
                               lines sent straight to an in-process engine of the same
-                              config at its best concurrency (all seats), the mean of one
-                              run before Ray starts and one after it stops     (target >= 0.8)
+                              config at its best concurrency (all seats), as bulk requests;
+                              engine and batch runs alternate (E B E B E)      (target >= 0.8)
   batch_lines_ok              lines answered with status 200        (must equal the line count)
   duplicate_lines             custom_ids answered more than once                  (must be 0)
 
-The engine-alone baseline runs before Ray starts and again after it stops, so the two never
-share the CPU, and a drift of the machine's speed over the run (this VM's engine-alone rate
-has varied by a third between runs) weighs on the baseline as on the batch. The batch-alone
-run starts once the bulk throttle's `hold_s` has passed after the chat load, and
-so does each quiet round after a busy one. Quiet and busy chat rounds alternate so a drift
-of the machine's speed over the run weighs on both alike.
+The engine-alone runs happen in this process while Serve sits idle, each after 64 untimed
+lines (a warm engine, as the replica is); they alternate with the batch-alone runs, so a drift
+of the machine's speed (this VM's engine-alone rate has moved by half within ten minutes)
+weighs on both sides alike. The batch-alone runs start once the bulk throttle's `hold_s` has
+passed after the chat load, and so does each quiet round after a busy one. Quiet and busy
+chat rounds alternate for the same reason.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from bench.overhead import (
 from demo.corpus import SHOWCASE_PROMPTS
 
 MAX_TOKENS = 24
+BULK = {"x-firstlight-class": "bulk"}  # the class a batch's lines run as
 
 
 def batch_lines(n: int) -> list[dict[str, Any]]:
@@ -82,8 +83,9 @@ def app_settings(directory: str) -> dict[str, Any]:
     return args
 
 
-async def engine_alone(lines: list[dict[str, Any]], args: dict[str, Any]) -> float:
-    """Output tokens/s of the lines sent straight to an in-process engine, all seats busy."""
+async def engine_alone(lines: list[dict[str, Any]], args: dict[str, Any], warm: int = 64) -> float:
+    """Output tokens/s of the lines sent straight to an in-process engine as bulk requests,
+    all seats busy, after `warm` lines untimed."""
     from actors.builder import load_config
     from app.endpoint import Endpoints, ModelEndpoint
     from app.openai.complete import complete
@@ -111,10 +113,12 @@ async def engine_alone(lines: list[dict[str, Any]], args: dict[str, Any]) -> flo
         nonlocal tokens
         async with seats:
             rid = line["custom_id"]
-            job = await layer.prepare(line["url"], line["body"], headers={}, request_id=rid)
+            job = await layer.prepare(line["url"], line["body"], headers=BULK, request_id=rid)
             response = await complete(job)
         tokens += response["usage"]["completion_tokens"]  # after the await: no lost update
 
+    await asyncio.gather(*(one(line) for line in lines[:warm]))
+    tokens = 0
     start = time.perf_counter()
     await asyncio.gather(*(one(line) for line in lines))
     seconds = time.perf_counter() - start
@@ -180,9 +184,6 @@ def main() -> None:
     lines = batch_lines(opts.lines)
     with tempfile.TemporaryDirectory(prefix="fl-bench-batch-") as directory:
         args = app_settings(directory)
-        before = asyncio.run(engine_alone(lines, args))
-        log(f"engine alone, before Ray: {before:.0f} output tokens/s")
-
         from ray import serve
 
         from actors.builder import application, load_config
@@ -205,18 +206,26 @@ def main() -> None:
             # has seen no chat for `hold_s` (it cannot tell a pause from the end of the load).
             hold_s = float(config.policies.options("bulk_throttle").get("hold_s", 0.0))
             settle_s = hold_s + 2 * config.replica.stats_interval_s
+            direct = [asyncio.run(engine_alone(lines, args))]  # meanwhile the throttle settles
+            log(f"engine alone: {direct[-1]:.0f} output tokens/s")
             time.sleep(settle_s)
-            started = time.perf_counter()
-            batch = wait_done(client, submit(client, lines))
-            seconds = time.perf_counter() - started
-            out = [
-                json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()
-            ]
-            tokens = sum(o["response"]["body"]["usage"]["completion_tokens"] for o in out)
-            alone = tokens / seconds
-            ok = sum(1 for o in out if o["response"]["status_code"] == 200)
-            dupes = sum(n - 1 for n in Counter(o["custom_id"] for o in out).values() if n > 1)
-            log(f"batch alone: {alone:.0f} output tokens/s, {ok} lines ok in {seconds:.0f} s")
+            alone: list[float] = []
+            ok, dupes = opts.lines, 0
+            for _ in range(2):
+                started = time.perf_counter()
+                batch = wait_done(client, submit(client, lines))
+                seconds = time.perf_counter() - started
+                text = client.files.content(batch.output_file_id).text
+                out = [json.loads(x) for x in text.splitlines()]
+                tokens = sum(o["response"]["body"]["usage"]["completion_tokens"] for o in out)
+                alone.append(tokens / seconds)
+                ok = min(ok, sum(1 for o in out if o["response"]["status_code"] == 200))
+                counts = Counter(o["custom_id"] for o in out)
+                dupes += sum(n - 1 for n in counts.values() if n > 1)
+                log(f"batch alone: {alone[-1]:.0f} output tokens/s, {len(out)} lines in "
+                    f"{seconds:.0f} s")  # fmt: skip
+                direct.append(asyncio.run(engine_alone(lines, args)))
+                log(f"engine alone: {direct[-1]:.0f} output tokens/s")
 
             busy: list[float] = []
             for round_ in range(opts.rounds):
@@ -239,19 +248,14 @@ def main() -> None:
             )
         finally:
             stop_serve()
-        time.sleep(2)  # Ray's processes exit
-        after = asyncio.run(engine_alone(lines, args))
-        direct = (before + after) / 2
-        log(f"engine alone, after Ray: {after:.0f} output tokens/s (mean {direct:.0f})")
     result = {
         "interactive_ttft_p95_ratio": round(percentile(busy, 0.95) / percentile(quiet, 0.95), 3),
-        "batch_tokens_per_s_ratio": round(alone / direct, 3),
+        "batch_tokens_per_s_ratio": round(statistics.mean(alone) / statistics.mean(direct), 3),
         "batch_lines_ok": ok,
         "duplicate_lines": dupes,
         "lines": opts.lines,
-        "batch_tokens_per_s": round(alone),
-        "engine_tokens_per_s": round(direct),
-        "engine_tokens_per_s_before_after": [round(before), round(after)],
+        "batch_tokens_per_s": [round(x) for x in alone],
+        "engine_tokens_per_s": [round(x) for x in direct],
     }
     print(json.dumps(result), flush=True)
 

@@ -2,6 +2,7 @@
 
     python bench/gpu.py                 # H100/H200: the 1B and 8B Llama shapes, bfloat16
     python bench/gpu.py --only 8b       # one shape (the figures of the other are null)
+    python bench/gpu.py --eager         # also the engine without CUDA graphs (`ours_eager`)
     python bench/gpu.py --tiny          # any machine: a tiny shape on the CPU (checks the
                                         # script itself; its figures mean nothing)
 
@@ -145,7 +146,7 @@ def hf_figures(model: Any, device: torch.device, tiny: bool) -> dict[str, float]
             "prefill_s": tp}  # fmt: skip
 
 
-async def our_figures(path: Path, tiny: bool) -> dict[str, Any]:
+async def our_figures(path: Path, tiny: bool, graphs: bool = True) -> dict[str, Any]:
     from engine.async_engine import AsyncEngine
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -156,11 +157,13 @@ async def our_figures(path: Path, tiny: bool) -> dict[str, Any]:
         device="cpu" if tiny else "auto",  # auto: CUDA and bfloat16 here
         dtype="float32" if tiny else "auto",
         cache=CacheConfig(kv_cache_bytes=(64 << 20) if tiny else None, gpu_memory_utilization=0.85),
+        cuda_graphs=graphs,
         scheduler=SchedulerConfig(max_num_seqs=max(batch, 64), max_num_batched_tokens=8192),
     )
     engine = AsyncEngine.from_config(config)
     await engine.warmup()
     await engine.start()
+    captured = engine.engine.runner.graphs
     try:
         vocab = engine.engine.runner.info.vocab_size
         one = prompts(1, PROMPT, vocab)[0]
@@ -183,12 +186,16 @@ async def our_figures(path: Path, tiny: bool) -> dict[str, Any]:
             "prefill_s": statistics.median(ttfts[1:]),
             "backend": engine.engine.runner.backend.name,
             "kv_blocks": engine.engine.runner.num_blocks,
+            "decode_graphs": len(captured.graphs) if captured else 0,
+            "graph_replays": captured.num_replays if captured else 0,
         }
     finally:
         await engine.shutdown()
 
 
-def measure(shape: str, device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
+def measure(
+    shape: str, device: torch.device, dtype: torch.dtype, tiny: bool, eager: bool = False
+) -> dict:
     directory = Path(tempfile.mkdtemp(prefix=f"fl-gpu-{shape}-"))
     try:
         log(f"{shape}: building a random-init model on {device} ...")
@@ -206,7 +213,11 @@ def measure(shape: str, device: torch.device, dtype: torch.dtype, tiny: bool) ->
         log(f"{shape}: firstlight ...")
         ours = asyncio.run(our_figures(directory, tiny))
         log(f"{shape}: firstlight {ours}")
-        return {"weight_bytes": weight_bytes, "params": params, "hf": hf, "ours": ours}
+        done = {"weight_bytes": weight_bytes, "params": params, "hf": hf, "ours": ours}
+        if eager:  # the ablation: the same engine without CUDA graphs
+            done["ours_eager"] = asyncio.run(our_figures(directory, tiny, graphs=False))
+            log(f"{shape}: firstlight without CUDA graphs {done['ours_eager']}")
+        return done
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -215,17 +226,18 @@ def _rounded(m: dict) -> dict:
     def r(v: Any) -> Any:
         return round(v, 6) if isinstance(v, float) else v
 
-    return {
-        "weights_gb": round(m["weight_bytes"] / 1e9, 3),
-        "ours": {k: r(v) for k, v in m["ours"].items()},
-        "hf": {k: r(v) for k, v in m["hf"].items()},
-    }
+    out = {"weights_gb": round(m["weight_bytes"] / 1e9, 3)}
+    for key in ("ours", "ours_eager", "hf"):
+        if key in m:
+            out[key] = {k: r(v) for k, v in m[key].items()}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU")
     parser.add_argument("--only", choices=("1b", "8b"), help="measure one shape")
+    parser.add_argument("--eager", action="store_true", help="also the engine without graphs")
     opts = parser.parse_args()
     if opts.tiny:
         device, dtype, shapes = torch.device("cpu"), torch.float32, {"1b": "tiny", "8b": "tiny"}
@@ -240,7 +252,7 @@ def main() -> None:
         if opts.only in (None, name):
             shape = shapes[name]
             done[name] = next((m for n, m in done.items() if shapes[n] == shape), None) or measure(
-                shape, device, dtype, opts.tiny
+                shape, device, dtype, opts.tiny, opts.eager
             )
     small, large = done.get("1b"), done.get("8b")
     result: dict[str, Any] = dict.fromkeys(
