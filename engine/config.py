@@ -104,8 +104,8 @@ class EngineConfig:
     # Grammar-constrained requests verify the tokens their grammar forces as drafts, several
     # per step (engine.structured.masks); off: one forward pass per token, as for free text.
     jump_forward: bool = True
-    # A step that serves only bulk work stops between two layers when an interactive request
-    # arrives, and runs again with it (engine.llm_engine.LLMEngine.step): chat never waits
+    # A step that serves only bulk work stops before its next layer or MLP when an interactive
+    # request arrives, and runs again with it (engine.llm_engine.LLMEngine.step): chat never waits
     # out a bulk step. The stopped part is recomputed (at most one step per arrival).
     interrupt_bulk_steps: bool = True
     # For this long after the engine last held an interactive request, a step that serves only

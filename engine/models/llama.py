@@ -1,8 +1,8 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Interface: `model(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden_size]`
-(after the final norm; with `interrupt`, a callable asked before each layer, the pass stops
-with `StepInterrupted` once it says True) and
+(after the final norm; with `interrupt`, a callable asked before each layer and between each
+layer's attention and MLP, the pass stops with `StepInterrupted` once it says True) and
 `model.compute_logits(hidden[N, hidden_size]) -> [N, vocab]`.
 `kv_caches[i]` is layer i's `(k_cache, v_cache)`. The forward calls `backend.prepare(meta)`
 once; then each layer projects q/k/v, applies RoPE at `positions` and hands q, k, v to
@@ -25,9 +25,9 @@ from kernels.interface import AttentionBackend, AttentionMetadata, KVCache
 
 
 class StepInterrupted(Exception):
-    """The forward pass stopped between two layers because its `interrupt` said so. The K/V
-    the finished layers wrote sit at positions the step's sequences have not counted as
-    computed, so the next step writes them again (the same tokens at the same positions)."""
+    """The forward pass stopped before a layer or before a layer's MLP because its `interrupt`
+    said so. The K/V the layers that ran wrote sit at positions the step's sequences have not
+    counted as computed, so the next step writes them again (the same tokens, same positions)."""
 
 
 class RMSNorm(nn.Module):
@@ -103,8 +103,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        if interrupt is not None and interrupt():  # the MLP is most of a layer's time
+            raise StepInterrupted
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -149,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if interrupt is not None and interrupt():
                 raise StepInterrupted
-            h = layer(h, cos, sin, kv_cache, meta)
+            h = layer(h, cos, sin, kv_cache, meta, interrupt)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """`[num_sample_rows, vocab]` float32 logits: per sampling chunk in chunk order, its
         last real token's row followed by one row per draft. With `interrupt`, the pass may
-        stop between layers (`StepInterrupted`, see the model's forward)."""
+        stop before a layer or its MLP (`StepInterrupted`, see the model's forward)."""
         if out.is_empty:
             return torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
         return self._run(self.pack(out), interrupt)

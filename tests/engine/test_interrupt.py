@@ -1,4 +1,4 @@
-"""Bulk-only steps that stop between layers when an interactive request arrives
+"""Bulk-only steps that stop at their next layer or MLP when an interactive request arrives
 (`EngineConfig.interrupt_bulk_steps`): what is stopped is recomputed, never lost or changed."""
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def run(
 
 
 def every(n: int, offset: int) -> Callable[[], bool]:
-    """True on every n-th question (asked before each layer), from the `offset`-th."""
+    """True on every n-th question (asked before each layer and each MLP), from the
+    `offset`-th."""
     calls = 0
 
     def ask() -> bool:
@@ -57,13 +58,28 @@ def small_steps() -> SchedulerConfig:
 
 def test_interrupted_steps_recompute_to_the_same_tokens() -> None:
     expected = run(LLMEngine(tiny_config(scheduler=small_steps())), bulk_requests())
-    # Two questions a step (the tiny model has two layers): stops before either layer.
-    for n, offset in ((3, 1), (5, 4), (4, 2)):
+    # Four questions a step (two layers, each asked before it and before its MLP); a period
+    # of four or less would stop every step.
+    for n, offset in ((5, 4), (6, 1), (7, 3)):
         engine = LLMEngine(tiny_config(scheduler=small_steps()))
         assert run(engine, bulk_requests(), every(n, offset)) == expected
         assert engine.counters.interrupted_steps > 0
         stats = engine.kv.stats()
         assert stats.num_free == stats.num_blocks  # no block left held by a stopped step
+
+
+def test_a_bulk_step_is_asked_before_each_layer_and_each_mlp() -> None:
+    engine = LLMEngine(tiny_config())
+    asked = every(10**9, -1)  # never stops; counts the questions
+    calls = []
+
+    def count() -> bool:
+        calls.append(1)
+        return asked()
+
+    engine.add_request(bulk_requests()[0])
+    engine.step(count)
+    assert len(calls) == 2 * len(engine.runner.model.layers)
 
 
 def test_a_step_serving_interactive_work_is_never_interrupted() -> None:
