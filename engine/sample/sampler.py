@@ -219,25 +219,17 @@ class Sampler:
                 # Every generator exists before any draws: a seed the generator rejects
                 # raises here, before it could advance a neighbour's generator.
                 self._request_generator(row, dev)
-        tokens: list[int] = [0] * len(rows)
         greedy = [i for i, g in enumerate(is_greedy) if g]
         rand = [i for i, g in enumerate(is_greedy) if not g]
+        if drafts is None:
+            return [[t] for t in self._pick(proc, rows, greedy, rand)]
+        tokens: list[int] = [0] * len(rows)
         if greedy:
             g_idx = torch.tensor(greedy, device=dev) if rand else None
             picked = (proc if g_idx is None else proc[g_idx]).argmax(dim=-1).tolist()
             for i, t in zip(greedy, picked, strict=True):
                 tokens[i] = t
         out: list[list[int]] = []
-        if drafts is None:
-            if rand:
-                r_idx = torch.tensor(rand, device=dev) if greedy else None
-                x = proc if r_idx is None else proc[r_idx]
-                rand_rows = [rows[i] for i in rand]
-                w = self.weights(x, [r.sampling for r in rand_rows])
-                drawn = _check_drawn(_draw(w, self._uniforms(rand_rows, dev)).tolist(), vocab)
-                for i, t in zip(rand, drawn, strict=True):
-                    tokens[i] = t
-            return [[t] for t in tokens]
         weights_by_row: dict[int, int] = {}
         weights: torch.Tensor | None = None
         if rand:
@@ -258,6 +250,25 @@ class Sampler:
             u = self._seq_uniforms(seq, 2 * k + 1, dev)
             out.append(_check_drawn(accept_random(probs, list(drafts[i]), q, u), vocab))
         return out
+
+    def _pick(
+        self, proc: torch.Tensor, rows: list[_Row], greedy: list[int], rand: list[int]
+    ) -> list[int]:
+        """One token per row: the argmax for `greedy` rows, one draw for `rand` rows, put
+        together on the logits' device and read back to the host once (on a GPU, the step's
+        only wait for the device)."""
+        if not rand:
+            return proc.argmax(dim=-1).tolist()
+        dev = proc.device
+        r_idx = torch.tensor(rand, device=dev) if greedy else None
+        x = proc if r_idx is None else proc[r_idx]
+        rand_rows = [rows[i] for i in rand]
+        w = self.weights(x, [r.sampling for r in rand_rows])
+        drawn = _draw(w, self._uniforms(rand_rows, dev))
+        picked = drawn if r_idx is None else proc.argmax(dim=-1).index_copy_(0, r_idx, drawn)
+        tokens = picked.tolist()
+        _check_drawn([tokens[i] for i in rand], proc.shape[1])
+        return tokens
 
     # ---- logit processing (in place on `proc`, the sampler's own copy) ----
 
