@@ -26,7 +26,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -101,7 +101,6 @@ class FlashPagedBackend(StaticDecodeMetadata[FlashState]):
     """Paged attention through FlashAttention's varlen kernels (see the module docstring)."""
 
     name = "flash_attn"
-    supports_graphs: ClassVar[bool] = True
     state_type: type[FlashState] = FlashState
 
     def __init__(self, build: FlashBuild | None = None):

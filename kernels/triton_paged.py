@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
@@ -147,7 +146,6 @@ class TritonPagedBackend(StaticDecodeMetadata[TritonState]):
     metadata (`StaticDecodeMetadata`)."""
 
     name = "triton_paged"
-    supports_graphs: ClassVar[bool] = True
     state_type: type[TritonState] = TritonState
 
     def __init__(self, tuning: TritonTuning | None = None):

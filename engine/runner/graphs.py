@@ -119,8 +119,7 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.batch_sizes = batch_buckets(max_batch)
-        self.seqlen_bounds = seqlen_bounds(max_model_len, min_seqlen_bound)
-        self.max_model_len = max_model_len
+        self.seqlen_bounds = seqlen_bounds(max_model_len, min_seqlen_bound)  # ends at the max
         self.dtype = dtype
         self.capture = capture
         self.graphs: dict[tuple[int, int], DecodeGraph] = {}
@@ -132,10 +131,11 @@ class DecodeGraphs:
         start = time.perf_counter()
         device = self.buffers.device
         block_size = self.buffers.block_size
+        max_model_len = self.seqlen_bounds[-1]
         self.backend.init_capture(
-            self.batch_sizes[-1], -(-self.max_model_len // block_size), device, block_size
+            self.batch_sizes[-1], -(-max_model_len // block_size), device, block_size
         )
-        self.model.rotary.reserve(self.max_model_len, self.dtype)
+        self.model.rotary.reserve(max_model_len, self.dtype)
         pool = torch.cuda.graph_pool_handle() if self.capture else None
         for bs in reversed(self.batch_sizes):
             for bound in reversed(self.seqlen_bounds):
@@ -168,14 +168,13 @@ class DecodeGraphs:
     def lookup(self, meta: AttentionMetadata) -> DecodeGraph | None:
         """The graph that runs this step, or None when the step is not a decode batch that a
         captured bucket holds."""
-        n = meta.num_seqs
-        if meta.max_seqlen_q != 1 or meta.num_tokens != n or n > self.batch_sizes[-1]:
+        n, keys = meta.num_seqs, meta.max_seqlen_k
+        sizes, bounds = self.batch_sizes, self.seqlen_bounds
+        if meta.max_seqlen_q != 1 or meta.num_tokens != n or n > sizes[-1] or keys > bounds[-1]:
             return None
-        if meta.max_seqlen_k > self.max_model_len:
-            return None
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        bound = self.seqlen_bounds[bisect.bisect_left(self.seqlen_bounds, meta.max_seqlen_k)]
-        return self.graphs.get((bs, bound))
+        return self.graphs[
+            sizes[bisect.bisect_left(sizes, n)], bounds[bisect.bisect_left(bounds, keys)]
+        ]
 
     def run(self, graph: DecodeGraph, meta: AttentionMetadata) -> torch.Tensor:
         """`[n, hidden]` hidden states of the live step `meta` (a view of the graph's output,

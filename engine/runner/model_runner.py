@@ -172,10 +172,9 @@ class ModelRunner:
             and self.graphs is None
         ):
             try:
-                self.capture_graphs()
+                self.capture_graphs()  # sets `self.graphs` only once every graph is captured
             except Exception:  # a replica that runs eagerly beats one that does not start
                 logger.exception("capturing CUDA graphs failed; decode steps run eagerly")
-                self.graphs = None
 
     def capture_graphs(self, *, capture: bool = True) -> DecodeGraphs:
         """Capture the decode graphs (`engine.runner.graphs`); from now on decode steps replay
@@ -198,11 +197,11 @@ class ModelRunner:
     def _replay(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """The step's hidden states from a decode graph, or None where none runs it. A
         graph that fails turns the graphs off: this step and the rest run eagerly."""
-        graph = None if self.graphs is None else self.graphs.lookup(meta)
-        if graph is None or self.graphs is None:
+        graphs = self.graphs
+        if graphs is None or (graph := graphs.lookup(meta)) is None:
             return None
         try:
-            return self.graphs.run(graph, meta)
+            return graphs.run(graph, meta)
         except Exception:
             logger.exception("a decode graph failed; decode steps run eagerly from now on")
             self.graphs = None

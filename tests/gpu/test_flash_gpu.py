@@ -13,7 +13,15 @@ import torch
 
 from kernels.interface import AttentionMetadata
 from kernels.reference import TorchReferenceBackend
-from tests.gpu.test_triton_gpu import BF16_TOL, BLOCK, HEAD_DIM, decodes, make_step, mixed_64
+from tests.gpu.test_triton_gpu import (
+    BF16_TOL,
+    BLOCK,
+    HEAD_DIM,
+    decodes,
+    make_step,
+    mixed_64,
+    usable,
+)
 from tests.gpu.test_triton_gpu import parity as check_parity
 
 pytestmark = [
@@ -26,12 +34,7 @@ pytestmark = [
 def flash_backend():
     from kernels.flash_paged import FlashPagedBackend
 
-    reason = FlashPagedBackend.why_not(
-        device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=HEAD_DIM, block_size=BLOCK
-    )
-    if reason is not None:
-        pytest.skip(reason)
-    return FlashPagedBackend
+    return usable(FlashPagedBackend)
 
 
 def test_decode_batch(flash_backend):

@@ -30,17 +30,21 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 
 
-@pytest.fixture(scope="module")
-def triton_backend():
-    """The backend class, or a skip saying why it cannot run here."""
-    from kernels.triton_paged import TritonPagedBackend
-
-    reason = TritonPagedBackend.why_not(
+def usable(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """`cls`, or a skip saying why it cannot run here (bfloat16, these shapes)."""
+    reason = cls.why_not(
         device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=HEAD_DIM, block_size=BLOCK
     )
     if reason is not None:
         pytest.skip(reason)
-    return TritonPagedBackend
+    return cls
+
+
+@pytest.fixture(scope="module")
+def triton_backend():
+    from kernels.triton_paged import TritonPagedBackend
+
+    return usable(TritonPagedBackend)
 
 
 @dataclass
