@@ -2,7 +2,8 @@
 
     python bench/gpu.py                 # H100/H200: the 1B and 8B Llama shapes, bfloat16
     python bench/gpu.py --only 8b       # one shape (the figures of the other are null)
-    python bench/gpu.py --eager         # also the engine without CUDA graphs (`ours_eager`)
+    python bench/gpu.py --ablations     # also the engine without CUDA graphs (`ours_eager`)
+                                        # and without async scheduling (`ours_sync`)
     python bench/gpu.py --tiny          # any machine: a tiny shape on the CPU (checks the
                                         # script itself; its figures mean nothing)
 
@@ -146,7 +147,9 @@ def hf_figures(model: Any, device: torch.device, tiny: bool) -> dict[str, float]
             "prefill_s": tp}  # fmt: skip
 
 
-async def our_figures(path: Path, tiny: bool, graphs: bool = True) -> dict[str, Any]:
+async def our_figures(
+    path: Path, tiny: bool, graphs: bool = True, async_scheduling: bool | None = None
+) -> dict[str, Any]:
     from engine.async_engine import AsyncEngine
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -158,6 +161,7 @@ async def our_figures(path: Path, tiny: bool, graphs: bool = True) -> dict[str, 
         dtype="float32" if tiny else "auto",
         cache=CacheConfig(kv_cache_bytes=(64 << 20) if tiny else None, gpu_memory_utilization=0.85),
         cuda_graphs=graphs,
+        async_scheduling=async_scheduling,  # None: on for CUDA
         scheduler=SchedulerConfig(max_num_seqs=max(batch, 64), max_num_batched_tokens=8192),
     )
     engine = AsyncEngine.from_config(config)
@@ -188,13 +192,15 @@ async def our_figures(path: Path, tiny: bool, graphs: bool = True) -> dict[str, 
             "kv_blocks": engine.engine.runner.num_blocks,
             "decode_graphs": len(captured.graphs) if captured else 0,
             "graph_replays": captured.num_replays if captured else 0,
+            "steps": engine.engine.counters.steps,
+            "launched_steps": engine.engine.counters.launched_steps,  # async scheduling
         }
     finally:
         await engine.shutdown()
 
 
 def measure(
-    shape: str, device: torch.device, dtype: torch.dtype, tiny: bool, eager: bool = False
+    shape: str, device: torch.device, dtype: torch.dtype, tiny: bool, ablations: bool = False
 ) -> dict:
     directory = Path(tempfile.mkdtemp(prefix=f"fl-gpu-{shape}-"))
     try:
@@ -214,9 +220,11 @@ def measure(
         ours = asyncio.run(our_figures(directory, tiny))
         log(f"{shape}: firstlight {ours}")
         done = {"weight_bytes": weight_bytes, "params": params, "hf": hf, "ours": ours}
-        if eager:  # the ablation: the same engine without CUDA graphs
+        if ablations:  # the same engine without CUDA graphs, and without async scheduling
             done["ours_eager"] = asyncio.run(our_figures(directory, tiny, graphs=False))
             log(f"{shape}: firstlight without CUDA graphs {done['ours_eager']}")
+            done["ours_sync"] = asyncio.run(our_figures(directory, tiny, async_scheduling=False))
+            log(f"{shape}: firstlight without async scheduling {done['ours_sync']}")
         return done
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -227,7 +235,7 @@ def _rounded(m: dict) -> dict:
         return round(v, 6) if isinstance(v, float) else v
 
     out = {"weights_gb": round(m["weight_bytes"] / 1e9, 3)}
-    for key in ("ours", "ours_eager", "hf"):
+    for key in ("ours", "ours_eager", "ours_sync", "hf"):
         if key in m:
             out[key] = {k: r(v) for k, v in m[key].items()}
     return out
@@ -237,7 +245,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU")
     parser.add_argument("--only", choices=("1b", "8b"), help="measure one shape")
-    parser.add_argument("--eager", action="store_true", help="also the engine without graphs")
+    parser.add_argument(
+        "--ablations", action="store_true", help="also without graphs, without async scheduling"
+    )
     opts = parser.parse_args()
     if opts.tiny:
         device, dtype, shapes = torch.device("cpu"), torch.float32, {"1b": "tiny", "8b": "tiny"}
@@ -252,7 +262,7 @@ def main() -> None:
         if opts.only in (None, name):
             shape = shapes[name]
             done[name] = next((m for n, m in done.items() if shapes[n] == shape), None) or measure(
-                shape, device, dtype, opts.tiny, opts.eager
+                shape, device, dtype, opts.tiny, opts.ablations
             )
     small, large = done.get("1b"), done.get("8b")
     result: dict[str, Any] = dict.fromkeys(

@@ -118,6 +118,14 @@ class EngineConfig:
     # CUDA graphs captured at warm-up when the attention backend supports them
     # (engine.runner.graphs); off: every step launches its kernels one by one.
     cuda_graphs: bool = True
+    # A step is launched before the previous step's tokens are read back, its inputs for those
+    # tokens taken from the device (engine.llm_engine.LLMEngine.step): the host's work between
+    # steps (outputs, scheduling, input preparation) runs while the device computes. A
+    # sequence that stopped wastes one row of the step after. Applies to steps whose rows need
+    # no token history (no penalties, logprobs, min_tokens ban, grammar) in engines that do
+    # not speculate; other steps run as before. None: on for CUDA engines, off on the CPU
+    # (where the forward pass holds the thread, so launching ahead only delays outputs).
+    async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -9,6 +9,20 @@ runs all three on its single engine thread). Deltas are produced only for sequen
 sampled this step (all of their new tokens: accepted drafts and the target's own), for
 aborted ones, and for ones that failed.
 
+Async scheduling (`EngineConfig.async_scheduling`, on for CUDA engines): a step whose rows
+need no token history (`engine.sample.sampler.device_pickable`; no drafts, no grammar) is
+launched and its tokens picked on the device without reading them back; the call returns the
+*previous* such step's deltas, read back only after this step is queued behind it. Each of
+its sequences that goes on gets a `PLACEHOLDER` token at once, so the next `schedule()`
+gives it its next position, whose input the runner takes from this step's token tensor on
+the device. While the device computes step N, the host reads back N - 1, emits its deltas,
+schedules and prepares N + 1: the device never waits for the host between steps. The
+scheduler counts a launched step's chunks as computed at launch (`Scheduler.advance`) and
+caches full blocks once their tokens are real (`commit`). A sequence that stops at step N was
+given a row in N + 1 already: that row is wasted and ignored. One whose next token certainly
+ends it (length) gets no placeholder. Outputs are those of the synchronous engine: the same
+tokens, stops, deltas and counts (only unseeded random draws differ, as any run's do).
+
 A bad request never takes the engine down: `step()` does not raise because of one request.
 A failure in one request's own work (sampling or verification, stop checks, detokenization)
 ends that request with finish reason "error" and an `error` message on its last delta, its
@@ -36,11 +50,11 @@ from engine.models.resolve import ModelResolver, local_model_dir
 from engine.output.detokenizer import IncrementalDetokenizer
 from engine.output.stop import find_stop
 from engine.request import FinishReason, Request, RequestClass, TokenDelta, TokenLogprob
-from engine.runner.model_runner import ModelRunner
-from engine.sample.sampler import Sampler, SampleResult
+from engine.runner.model_runner import Feed, ModelRunner
+from engine.sample.sampler import Sampler, SampleResult, device_pickable
 from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sched.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from engine.spec.policy import MAX_SPEC_TOKENS, SpeculationPolicy
 from engine.spec.proposer import NoopProposer, Proposer
 from engine.spec.speculation import Speculation, clear_drafts
@@ -63,6 +77,24 @@ class _NewTokens:
     reason: FinishReason | None = None
     error: str | None = None
     num_accepted: int = 0  # drafts among `token_ids` (a prefix) whose K/V counts as computed
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step launched with its tokens still on the device (async scheduling)."""
+
+    out: SchedulerOutput
+    chunks: list[ScheduledChunk]  # the sampling chunks: one token each, in row order
+    rows: dict[str, int]  # request id -> row of `tokens`
+    tokens: torch.Tensor  # [len(chunks)] int64 on the device
+    host: torch.Tensor  # where they are copied to (pinned), or `tokens` itself on the CPU
+    copied: torch.cuda.Event | None  # recorded after that copy (GPU)
+
+    def read(self) -> list[int]:
+        """The step's tokens; waits for the device to finish this step, not the next."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host[: len(self.chunks)].tolist()
 
 
 class LLMEngine:
@@ -126,6 +158,22 @@ class LLMEngine:
         self.ttft = TTFTWindow()  # per class, for the autoscaler (EngineStats.ttft_p95_*)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # only requests that carry one
+        # Async scheduling (module doc): never with speculation, whose drafts are verified
+        # on the host.
+        overlap = config.async_scheduling
+        if overlap is None:
+            overlap = self.runner.device.type == "cuda"
+        self.async_scheduling = overlap and self.spec is None
+        self._launched: _Launched | None = None
+        # Two pinned landing places for launched steps' tokens, taken in turn, each with the
+        # event recorded after its copy (GPU).
+        self._token_hosts: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        if self.async_scheduling and self.runner.device.type == "cuda":
+            n = config.scheduler.max_num_seqs
+            self._token_hosts = [
+                (torch.empty(n, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                for _ in range(2)
+            ]
 
     # -- requests -------------------------------------------------------------------------
 
@@ -184,6 +232,8 @@ class LLMEngine:
         self.counters.aborted += 1
         seq.timings.finished = time.monotonic()
         self._forget(request_id)
+        if seq.token_ids[-1] == PLACEHOLDER:  # its step's token is not read back: dropped
+            seq.token_ids.pop()
         return self._delta(seq, [], "", FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
@@ -210,17 +260,46 @@ class LLMEngine:
         expired = self._expire_deadlines() if self._deadlines else []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return expired
+            return expired + self._land()
         chunks = [c for c in out.chunks if c.samples]
+        ahead = self.async_scheduling and self._can_launch(chunks)
+        if self._launched is not None and not ahead:
+            # This step samples on the host: the launched one lands first, so its
+            # placeholders are tokens (a sequence it ended leaves this step).
+            expired += self._land()
+            out.chunks = [c for c in out.chunks if not c.seq.is_finished]
+            if out.is_empty:
+                return expired
+            chunks = [c for c in chunks if not c.seq.is_finished]
         masks = self._grammars.start_masks(chunks) if self._grammars else None
         if interrupt is not None and (masks is not None or not self._interruptible(out)):
             interrupt = None
+        launched = self._launched
+        feed = (launched.rows, launched.tokens) if launched is not None else None
         try:
-            logits = self._execute(out, interrupt)  # the masks are computed meanwhile
+            logits = self._execute(out, interrupt, feed)  # the masks are computed meanwhile
         except StepInterrupted:
             # Nothing is updated: every chunk is scheduled again from where it stood.
             self.counters.interrupted_steps += 1
-            return expired
+            return expired + self._land()
+        if ahead and logits is not None:
+            tokens = self._pick(logits, chunks)
+            if tokens is not None:  # launched: the previous step's deltas go out meanwhile
+                self.scheduler.advance(out)
+                self.counters.steps += 1
+                self.counters.launched_steps += 1
+                deltas = self._land()
+                self._launch(out, chunks, tokens)
+                return expired + deltas if expired else deltas
+            # Picking failed: sample on the host (each chunk alone if need be), after the
+            # launched step has landed; a sequence it ended keeps no row.
+            if landed := self._land():
+                expired += landed
+                keep = [i for i, c in enumerate(chunks) if not c.seq.is_finished]
+                logits = logits[keep]
+                chunks = [chunks[i] for i in keep]
+        elif logits is None:
+            expired += self._land()
         mask, mask_errors = masks.result() if masks is not None else (None, {})
         if logits is None:
             return expired + self._fail_step(out)
@@ -240,6 +319,91 @@ class LLMEngine:
             ]
         return expired + deltas if expired else deltas
 
+    # -- async scheduling ---------------------------------------------------------------------
+
+    def _can_launch(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether every sampling row of the step can be picked on the device."""
+        grammars = self._grammars
+        for c in chunks:
+            seq = c.seq
+            if (
+                c.spec_token_ids
+                or not device_pickable(seq.sampling, seq.num_output_tokens)
+                or (grammars is not None and seq.request_id in grammars)
+            ):
+                return False
+        return True
+
+    def _pick(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """This step's tokens on the device (None when picking raised)."""
+        try:
+            return self.sampler.pick(logits, [c.seq for c in chunks])
+        except Exception:  # e.g. a seed the generator rejects: each chunk alone, on the host
+            logger.exception("picking on the device failed; sampling this step on the host")
+            return None
+
+    def _launch(
+        self, out: SchedulerOutput, chunks: list[ScheduledChunk], tokens: torch.Tensor
+    ) -> None:
+        """Hold a launched step, and give each sequence that goes on its placeholder."""
+        copied = None
+        host = tokens
+        if self._token_hosts:
+            self._token_hosts.reverse()  # the other one may still be read by `_land`
+            host, copied = self._token_hosts[0]
+            host[: len(chunks)].copy_(tokens, non_blocking=True)
+            copied.record()
+        rows = {}
+        for row, chunk in enumerate(chunks):
+            seq = chunk.seq
+            rows[seq.request_id] = row
+            if seq.status is SequenceStatus.RUNNING and self._goes_on(seq):
+                seq.token_ids.append(PLACEHOLDER)
+        self._launched = _Launched(out, chunks, rows, tokens, host, copied)
+
+    def _goes_on(self, seq: Sequence) -> bool:
+        """Whether `seq`, about to receive one token, gets its next position scheduled before
+        that token is known: not when that token certainly ends it (length), nor when its
+        next row needs the token history."""
+        sp = seq.sampling
+        after = seq.num_output_tokens + 1
+        return (
+            after < sp.max_tokens
+            and seq.num_tokens + 1 < self.max_model_len
+            and device_pickable(sp, after)
+            and not (self._grammars is not None and seq.request_id in self._grammars)
+        )
+
+    def _land(self) -> list[TokenDelta]:
+        """Read back the launched step's tokens and finish its work as a synchronous step
+        would: placeholders replaced, stops, text, full blocks cached, deltas."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return []
+        try:
+            token_ids = launched.read()
+        except Exception:
+            n = len(launched.out.chunks)
+            logger.exception("a launched step failed; ending its %d requests", n)
+            for chunk in launched.chunks:
+                del chunk.seq.token_ids[chunk.start + chunk.num_tokens :]
+            return self._fail_step(launched.out)
+        vocab = self.runner.info.vocab_size
+        news = []
+        for chunk, token in zip(launched.chunks, token_ids, strict=True):
+            seq = chunk.seq
+            if seq.is_finished:  # aborted, or ended by the step before: a spare row
+                self.counters.spare_rows += 1
+                continue
+            del seq.token_ids[chunk.start + chunk.num_tokens :]  # its placeholder, if any
+            if 0 <= token < vocab:
+                news.append(self._append(chunk, SampleResult([token])))
+            else:
+                error = "sampling failed: a draw fell outside the vocabulary (non-finite logits)"
+                news.append(self._finish_failed(_NewTokens(seq, error=error)))
+        self.scheduler.commit(launched.out)
+        return [self._emit(n) for n in news]
+
     def _expire_deadlines(self) -> list[TokenDelta]:
         """Abort requests whose deadline passed (they end with finish reason "abort")."""
         now = time.monotonic()
@@ -256,12 +420,15 @@ class LLMEngine:
         )
 
     def _execute(
-        self, out: SchedulerOutput, interrupt: Callable[[], bool] | None = None
+        self,
+        out: SchedulerOutput,
+        interrupt: Callable[[], bool] | None = None,
+        feed: Feed | None = None,
     ) -> torch.Tensor | None:
         """The step's logits, or None when the batched forward pass failed. Raises
         `StepInterrupted` when `interrupt` stopped it."""
         try:
-            return self.runner.execute(out, interrupt)
+            return self.runner.execute(out, interrupt, feed)
         except StepInterrupted:
             raise
         except Exception:

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# A token sampled on the device and not read back yet (engine `async_scheduling`): the last
+# entry of `token_ids` while a step that computes it is launched; never emitted, never hashed.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()

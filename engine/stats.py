@@ -28,6 +28,8 @@ class EngineCounters:
 
     steps: int = 0
     interrupted_steps: int = 0  # bulk-only steps stopped midway for an interactive arrival
+    launched_steps: int = 0  # of `steps`, launched before the previous one landed (async)
+    spare_rows: int = 0  # launched rows of sequences that had ended by then (ignored)
     generated_tokens: int = 0
     aborted: int = 0
     failed: int = 0  # requests ended with finish reason "error"

@@ -11,14 +11,23 @@ new tensor) and far cheaper than copying such a tensor into a slice. On a GPU de
 buffers are pinned and each filled prefix goes to its device buffer with one non-blocking
 copy; on the CPU the host buffers are the device buffers.
 
-The returned views alias the buffers: they are valid until the next `fill`, which the runner
-calls only after the previous step's forward has finished (its logits were read back).
+The returned views alias the buffers: they are valid until the next `fill`. On a GPU the
+host side alternates between two staging copies, and `fill` waits (an event) for the copies
+out of the one it is about to rewrite, from two steps back, to have run: a non-blocking copy
+reads its pinned source when the device's queue reaches it, which may be after the host has
+moved on (a step that samples nothing is never waited for; a step launched ahead, never
+before the next is prepared). Device buffers are rewritten by copies queued behind the
+kernels that read them, so the queue's order protects them.
+
+Feed rows (`StepInputs.feed_dst` / `feed_src`): input positions whose token the host does
+not know yet (the previous step's sampled token, still on the device); the runner writes them
+from that step's token tensor after `fill` (`StepTensors.feed`).
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +45,9 @@ class StepInputs:
     seq_lens_k: list[int]
     block_tables: list[list[int]]
     sample_rows: list[int]  # packed rows of each sampling chunk's last real token and drafts
+    # Packed rows whose input token is the previous step's sampled token at row `feed_src`.
+    feed_dst: list[int] = field(default_factory=list)
+    feed_src: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -46,20 +58,28 @@ class StepTensors:
     positions: torch.Tensor  # [num_tokens] int64
     sample_rows: torch.Tensor  # [num_sampling_chunks] int64: packed rows whose logits are kept
     meta: AttentionMetadata
+    feed: tuple[torch.Tensor, torch.Tensor] | None = None  # (dst rows, src rows), int64
 
 
 class _Buffer:
-    """A device tensor with its host staging twin and a numpy view of the host side."""
+    """A device tensor with its host staging twins (two on a GPU, taken in turn; the device
+    tensor itself on the CPU) and numpy views of the host side."""
 
-    __slots__ = ("device", "host", "np")
+    __slots__ = ("device", "host", "hosts", "np", "nps")
 
     def __init__(self, shape: int, dtype: torch.dtype, device: torch.device):
         pin = device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.np = self.host.numpy()
+        copies = 1 if device.type == "cpu" else 2
+        self.hosts = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(copies)]
+        self.nps = [h.numpy() for h in self.hosts]
+        self.host, self.np = self.hosts[0], self.nps[0]
         self.device = (
             self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
         )
+
+    def turn(self, i: int) -> None:
+        """Stage through host copy `i` (of two) from now on."""
+        self.host, self.np = self.hosts[i], self.nps[i]
 
     def view(self, n: int) -> torch.Tensor:
         """The first `n` elements on the device (copied there from the host when separate)."""
@@ -102,6 +122,17 @@ class StepBuffers:
         self._seq_lens_k = _Buffer(max_num_seqs, torch.int32, dev)
         # Flat, so that a step's [B, width] table is one contiguous prefix.
         self._block_table = _Buffer(max_num_seqs * max_blocks_per_seq, torch.int32, dev)
+        self._feed_dst = _Buffer(max_num_seqs, torch.int64, dev)
+        self._feed_src = _Buffer(max_num_seqs, torch.int64, dev)
+        self._all = [
+            self._input_ids, self._positions, self._slot_mapping, self._sample_rows,
+            self._cu_seqlens_q, self._seq_lens_k, self._block_table, self._feed_dst,
+            self._feed_src,
+        ]  # fmt: skip
+        # Staging copy in use, and per copy the event after the copies that last read it
+        # (an event never recorded is waited on as done).
+        self._turn = 0
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if dev.type == "cuda" else []
 
     def device_inputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `n` entries of the device `input_ids` and `positions` buffers, at fixed
@@ -124,6 +155,7 @@ class StepBuffers:
             raise ValueError(
                 f"a block table of {width} blocks exceeds the buffers' {self.max_blocks_per_seq}"
             )
+        self._next_staging()
         self._input_ids.np[:num_tokens] = step.input_ids
         self._positions.np[:num_tokens] = step.positions
         self._slot_mapping.np[:num_tokens] = step.slot_mapping
@@ -148,9 +180,27 @@ class StepBuffers:
             max_seqlen_k=max(step.seq_lens_k),
             block_size=self.block_size,
         )
-        return StepTensors(
+        feed = None
+        if num_feed := len(step.feed_dst):
+            self._feed_dst.np[:num_feed] = step.feed_dst
+            self._feed_src.np[:num_feed] = step.feed_src
+            feed = (self._feed_dst.view(num_feed), self._feed_src.view(num_feed))
+        tensors = StepTensors(
             self._input_ids.view(num_tokens),
             self._positions.view(num_tokens),
             self._sample_rows.view(num_samples),
             meta,
+            feed,
         )
+        if self._copied:
+            self._copied[self._turn].record()
+        return tensors
+
+    def _next_staging(self) -> None:
+        """Take the other host staging copy (GPU), once the copies that read it have run."""
+        if not self._copied:
+            return
+        self._turn ^= 1
+        self._copied[self._turn].synchronize()  # two steps back: almost always long done
+        for buffer in self._all:
+            buffer.turn(self._turn)

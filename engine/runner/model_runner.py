@@ -10,12 +10,17 @@ order: one row for the chunk's last real token, then one row per draft (`spec_to
 fed after the real tokens), so `k + 1` rows for `k` drafts. It reads sequences (token ids,
 block ids) and never mutates them or any scheduler state; the scheduler must already have
 allocated a block for every position being computed, drafts included.
+
+A step launched before the previous one's tokens were read back (the engine's
+`async_scheduling`) has sequences whose last token is `PLACEHOLDER`: `execute` takes `feed`
+(the previous step's sampling row of each request, and its token tensor on the device) and
+writes those inputs on the device, after the host buffers were copied in.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -25,10 +30,14 @@ from engine.models.loader import ModelInfo, load_model, read_model_info
 from engine.runner.graphs import DecodeGraphs
 from engine.runner.inputs import StepBuffers, StepInputs
 from engine.sched.output import SchedulerOutput
+from engine.sequence import PLACEHOLDER
 from kernels.interface import AttentionMetadata
 from kernels.registry import select_backend
 
 logger = logging.getLogger(__name__)
+
+# The previous step's sampling row per request id, and its sampled tokens on the device.
+Feed = tuple[Mapping[str, int], torch.Tensor]
 
 
 class ModelRunner:
@@ -125,23 +134,32 @@ class ModelRunner:
         return budget // self.bytes_per_block
 
     def execute(
-        self, out: SchedulerOutput, interrupt: Callable[[], bool] | None = None
+        self,
+        out: SchedulerOutput,
+        interrupt: Callable[[], bool] | None = None,
+        feed: Feed | None = None,
     ) -> torch.Tensor:
         """`[num_sample_rows, vocab]` float32 logits: per sampling chunk in chunk order, its
         last real token's row followed by one row per draft. With `interrupt`, the pass may
-        stop before a layer or its MLP (`StepInterrupted`, see the model's forward)."""
+        stop before a layer or its MLP (`StepInterrupted`, see the model's forward). `feed`
+        gives the tokens of `PLACEHOLDER` inputs (module doc)."""
         if out.is_empty:
             return torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
-        return self._run(self.pack(out), interrupt)
+        step = self.pack(out, feed[0] if feed is not None else None)
+        return self._run(step, interrupt, feed[1] if feed is not None else None)
 
-    def pack(self, out: SchedulerOutput) -> StepInputs:
+    def pack(self, out: SchedulerOutput, feed_rows: Mapping[str, int] | None = None) -> StepInputs:
         bs = self.block_size
         step = StepInputs([], [], [], [0], [], [], [])
         for chunk in out.chunks:
             seq, start = chunk.seq, chunk.start
             end = start + chunk.num_tokens_with_spec
             blocks = seq.block_ids
-            step.input_ids.extend(seq.token_ids[start : start + chunk.num_tokens])
+            tokens = seq.token_ids[start : start + chunk.num_tokens]
+            if feed_rows is not None and tokens[-1] == PLACEHOLDER:  # only ever the last
+                step.feed_dst.append(len(step.input_ids) + len(tokens) - 1)
+                step.feed_src.append(feed_rows[seq.request_id])
+            step.input_ids.extend(tokens)
             if chunk.spec_token_ids:
                 step.input_ids.extend(chunk.spec_token_ids)
             step.positions.extend(range(start, end))
@@ -208,8 +226,20 @@ class ModelRunner:
             return None
 
     @torch.inference_mode()
-    def _run(self, step: StepInputs, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
+    def _run(
+        self,
+        step: StepInputs,
+        interrupt: Callable[[], bool] | None = None,
+        fed_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         inputs = self.buffers.fill(step)
+        if inputs.feed is not None:
+            assert fed_tokens is not None
+            dst, src = inputs.feed
+            # A draw outside the vocabulary (non-finite logits) fails its request when read
+            # back; clamped here, so it never indexes past the embedding meanwhile.
+            tokens = fed_tokens.index_select(0, src).clamp_(0, self.info.vocab_size - 1)
+            inputs.input_ids.index_copy_(0, dst, tokens)
         hidden = self._replay(inputs.meta)  # a decode step: one replay, never interrupted
         if hidden is None:
             hidden = self.model(

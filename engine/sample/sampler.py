@@ -29,6 +29,12 @@ depend on the seed and its own logits only, never on batch neighbours or batch p
 Every row is computed in float32 and the sampler never mutates its inputs (logits or
 sequences). When every row is plain greedy (no penalties, bans or logprobs) the whole step is
 one `argmax`: this runs every engine step, so per-step overhead matters.
+
+`pick` is the device-only form for rows that read nothing of the token history
+(`device_pickable`: no penalties, no `min_tokens` ban, no logprobs) and carry no drafts: it
+returns the tokens as a tensor on the logits' device without reading them back and without a
+blocking host-to-device copy, so an engine can launch its next step before this one's tokens
+are known (`engine.llm_engine`, `async_scheduling`). Same draws, same generators as `sample`.
 """
 
 from __future__ import annotations
@@ -99,6 +105,18 @@ class _DraftRow:
     @property
     def num_output_tokens(self) -> int:
         return self.seq.num_output_tokens + len(self.drafts)
+
+
+def device_pickable(sp: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row's token depends on its logits and parameters alone, so `Sampler.pick`
+    can choose it on the device: no penalties (they read the token history), no `min_tokens`
+    ban in force, no logprobs (read back with the token)."""
+    return (
+        sp.logprobs is None
+        and sp.repetition_penalty == 1.0
+        and not _has_freq_pres(sp)
+        and num_output_tokens >= sp.min_tokens
+    )
 
 
 def _is_plain_greedy(sp: SamplingParams, num_output_tokens: int) -> bool:
@@ -184,6 +202,26 @@ class Sampler:
         logprobs = self._logprobs(proc, seqs, starts, new_tokens)
         return [SampleResult(t, lp, len(t) - 1) for t, lp in zip(new_tokens, logprobs, strict=True)]
 
+    @torch.inference_mode()
+    def pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """`[len(seqs)]` int64 tokens on the logits' device, one per row, not read back: the
+        argmax for greedy rows, one draw for the others (as `sample` would choose them). Every
+        row must be `device_pickable`. A random draw that fell outside the vocabulary
+        (non-finite logits) is returned as is: the caller checks the tokens it reads back."""
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} rows")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
+        proc = logits[:, : self.vocab_size].float()
+        rows: list[_Row] = list(seqs)
+        is_greedy = [s.sampling.temperature < GREEDY_EPS for s in seqs]
+        greedy = [i for i, g in enumerate(is_greedy) if g]
+        rand = [i for i, g in enumerate(is_greedy) if not g]
+        for i in rand:
+            if seqs[i].sampling.seed is not None:
+                self._request_generator(seqs[i], proc.device)  # a bad seed raises before draws
+        return self._pick_on_device(proc, rows, greedy, rand)
+
     def _process(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Penalties and `min_tokens` bans (steps 1-2), float32; may alias `logits`."""
         n = range(len(rows))
@@ -196,9 +234,7 @@ class Sampler:
         self._apply_penalties(proc, rows, rep, freq_pres)
         if banned[0]:
             dev = proc.device
-            proc[torch.tensor(banned[0], device=dev), torch.tensor(banned[1], device=dev)] = float(
-                "-inf"
-            )
+            proc[_index(banned[0], dev), _index(banned[1], dev)] = float("-inf")
         return proc
 
     def _choose(
@@ -225,7 +261,7 @@ class Sampler:
             return [[t] for t in self._pick(proc, rows, greedy, rand)]
         tokens: list[int] = [0] * len(rows)
         if greedy:
-            g_idx = torch.tensor(greedy, device=dev) if rand else None
+            g_idx = _index(greedy, dev) if rand else None
             picked = (proc if g_idx is None else proc[g_idx]).argmax(dim=-1).tolist()
             for i, t in zip(greedy, picked, strict=True):
                 tokens[i] = t
@@ -233,9 +269,7 @@ class Sampler:
         weights_by_row: dict[int, int] = {}
         weights: torch.Tensor | None = None
         if rand:
-            weights = self.weights(
-                proc[torch.tensor(rand, device=dev)], [rows[i].sampling for i in rand]
-            )
+            weights = self.weights(proc[_index(rand, dev)], [rows[i].sampling for i in rand])
             weights_by_row = {row: k for k, row in enumerate(rand)}
         for i, seq in enumerate(seqs):
             a, b = starts[i], starts[i + 1]
@@ -257,18 +291,23 @@ class Sampler:
         """One token per row: the argmax for `greedy` rows, one draw for `rand` rows, put
         together on the logits' device and read back to the host once (on a GPU, the step's
         only wait for the device)."""
+        tokens = self._pick_on_device(proc, rows, greedy, rand).tolist()
+        if rand:
+            _check_drawn([tokens[i] for i in rand], proc.shape[1])
+        return tokens
+
+    def _pick_on_device(
+        self, proc: torch.Tensor, rows: list[_Row], greedy: list[int], rand: list[int]
+    ) -> torch.Tensor:
         if not rand:
-            return proc.argmax(dim=-1).tolist()
+            return proc.argmax(dim=-1)
         dev = proc.device
-        r_idx = torch.tensor(rand, device=dev) if greedy else None
+        r_idx = _index(rand, dev) if greedy else None
         x = proc if r_idx is None else proc[r_idx]
         rand_rows = [rows[i] for i in rand]
         w = self.weights(x, [r.sampling for r in rand_rows])
         drawn = _draw(w, self._uniforms(rand_rows, dev))
-        picked = drawn if r_idx is None else proc.argmax(dim=-1).index_copy_(0, r_idx, drawn)
-        tokens = picked.tolist()
-        _check_drawn([tokens[i] for i in rand], proc.shape[1])
-        return tokens
+        return drawn if r_idx is None else proc.argmax(dim=-1).index_copy_(0, r_idx, drawn)
 
     # ---- logit processing (in place on `proc`, the sampler's own copy) ----
 
@@ -327,14 +366,14 @@ class Sampler:
         value, so ties at a cut are all kept and no tie order matters), so a seeded row draws
         the same token in any batch."""
         dev, vocab = x.device, x.shape[1]
-        x = x / torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+        x = x / _to_device([p.temperature for p in params], torch.float32, dev).unsqueeze(1)
         neg_inf = float("-inf")
 
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         if any(k < vocab for k in ks):
             k_max = max(k for k in ks if k < vocab)
             top_vals = x.topk(k_max, dim=-1).values
-            k_t = torch.tensor(ks, device=dev)
+            k_t = _to_device(ks, torch.int64, dev)
             thresh = top_vals.gather(1, (k_t.clamp(max=k_max) - 1).unsqueeze(1))
             thresh = thresh.masked_fill((k_t >= vocab).unsqueeze(1), neg_inf)
             x = x.masked_fill(x < thresh, neg_inf)
@@ -344,7 +383,7 @@ class Sampler:
 
         weights = (x - x.max(dim=-1, keepdim=True).values).exp()
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            min_p = _to_device([p.min_p for p in params], torch.float32, dev).unsqueeze(1)
             weights = weights.masked_fill(weights < min_p, 0.0)
         return weights
 
@@ -356,7 +395,7 @@ class Sampler:
         u = torch.empty(len(rows), 1, device=dev)
         unseeded = [i for i, s in enumerate(rows) if s.sampling.seed is None]
         if unseeded:
-            u[torch.tensor(unseeded, device=dev)] = torch.rand(
+            u[_index(unseeded, dev)] = torch.rand(
                 len(unseeded), 1, device=dev, generator=self._shared_generator(dev)
             )
         for i in seeded:
@@ -407,8 +446,8 @@ class Sampler:
         row_ids = [starts[i] + j for i in want for j in range(len(new_tokens[i]))]
         chosen_ids = [t for i in want for t in new_tokens[i]]
         dev = proc.device
-        lp = proc[torch.tensor(row_ids, device=dev)].log_softmax(dim=-1)
-        chosen = lp.gather(1, torch.tensor(chosen_ids, device=dev).unsqueeze(1)).squeeze(1)
+        lp = proc[_index(row_ids, dev)].log_softmax(dim=-1)
+        chosen = lp.gather(1, _index(chosen_ids, dev).unsqueeze(1)).squeeze(1)
         n_max = max(seqs[i].sampling.logprobs or 0 for i in want)
         top_vals, top_ids = lp.topk(min(n_max, lp.shape[1]), dim=-1)
         chosen_l, top_vals_l, top_ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
@@ -459,6 +498,20 @@ def _flatten(
     return rows[keep], ids[keep]
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-step tensor on `device`. On a GPU it goes through pinned memory with a
+    non-blocking copy: a copy from pageable memory makes the host wait for the device's queue
+    (torch synchronises the stream after it), which would stall a step launched ahead."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return _to_device(rows, torch.int64, device)
+
+
 def _has_freq_pres(sp: SamplingParams) -> bool:
     return sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
 
@@ -473,11 +526,16 @@ def _top_p_drop(x: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     sorted *values* are used, so which of several tied tokens sorts first never matters.
     """
     vocab = x.shape[1]
-    top_p = torch.tensor(top_ps, device=x.device).unsqueeze(1)
+    top_p = _to_device(top_ps, torch.float32, x.device).unsqueeze(1)
     probs = x.softmax(dim=-1)
-    floor = (1.0 - top_p) / (2 * vocab)  # half the bound: a margin for rounding
     active = top_p < 1.0
-    num_candidates = int(((probs >= floor) & active).sum(dim=-1).max().clamp(min=1))
+    if x.device.type != "cpu":
+        # On an accelerator the full sort is cheap, and sizing `topk` would read the
+        # candidate count back to the host: a wait for the device in the middle of the step.
+        num_candidates = vocab
+    else:
+        floor = (1.0 - top_p) / (2 * vocab)  # half the bound: a margin for rounding
+        num_candidates = int(((probs >= floor) & active).sum(dim=-1).max().clamp(min=1))
     if num_candidates > vocab // 8:  # flat distributions: a full sort is cheaper than topk
         top_vals = probs.sort(dim=-1, descending=True).values
     else:

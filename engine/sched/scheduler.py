@@ -230,6 +230,24 @@ class Scheduler:
                 self.kv.rollback(seq)
             self.kv.cache_full_blocks(seq)
 
+    def advance(self, out: SchedulerOutput) -> None:
+        """The first half of `update` for a step launched before its tokens are known (the
+        engine's `async_scheduling`; no drafts): its chunks count as computed now, so the next
+        `schedule()` continues after them. `commit(out)` follows once the step's tokens are
+        in the sequences."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is SequenceStatus.RUNNING:
+                assert chunk.start == seq.num_computed_tokens and not chunk.spec_token_ids
+                seq.num_computed_tokens += chunk.num_tokens
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The second half: name the blocks that became full (their tokens are real now)."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens <= seq.num_tokens:
+                self.kv.cache_full_blocks(seq)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire `seq` (running or waiting): its blocks return to the pool now."""
         if seq.is_finished:

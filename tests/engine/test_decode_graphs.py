@@ -31,9 +31,10 @@ def interpreter_on(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def make_engine() -> LLMEngine:
+def make_engine(async_scheduling: bool = False) -> LLMEngine:
     config = tiny_config(
         device=DEVICE.type,
+        async_scheduling=async_scheduling,
         attention_backend="triton_paged",
         cache=CacheConfig(num_blocks=96),
         scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=256),
@@ -135,6 +136,16 @@ def test_greedy_output_is_the_same_with_graphs(split_min_keys):
     graphs = static_graphs(engine, split_min_keys)
     assert run(engine) == eager
     assert graphs.num_replays >= 8
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_launched_steps_feed_the_graphs_inputs_from_the_device():
+    """Async scheduling with graphs: a launched decode step's placeholder inputs are written
+    into the buffer the graph reads, from the previous step's tokens."""
+    engine = make_engine(async_scheduling=True)
+    graphs = static_graphs(engine)
+    assert run(engine) == eager_outputs()
+    assert graphs.num_replays >= 8 and engine.counters.launched_steps == engine.counters.steps
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 

@@ -31,9 +31,10 @@ def tokens(deltas: list[TokenDelta]) -> list[int]:
 SEEDED = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(tiny_config())
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(request: pytest.FixtureRequest) -> LLMEngine:
+    """Both ways of running steps: synchronously, and launched ahead (async scheduling)."""
+    return LLMEngine(tiny_config(async_scheduling=request.param))
 
 
 @pytest.fixture(scope="module")

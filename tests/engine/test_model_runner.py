@@ -10,7 +10,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig
 from engine.runner.model_runner import ModelRunner
 from engine.sched.output import ScheduledChunk, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import PLACEHOLDER, Sequence
 from tests.engine.hf_tiny import (
     FAMILIES,
     greedy_with_hf,
@@ -101,6 +101,42 @@ def test_mixed_batch_matches_each_sequence_alone(checkpoints, llama: ModelRunner
         for seq, row in zip(sampling, logits, strict=True):
             seq.token_ids.append(int(row.argmax()))
     assert [s.output_token_ids for s in seqs] == want
+
+
+def test_placeholder_inputs_are_fed_from_the_previous_steps_tokens(llama: ModelRunner):
+    """A launched-ahead step (async scheduling): each sequence's last input is a placeholder
+    whose token comes from the previous step's token tensor, by that step's row; a prompt
+    chunk in the same step is packed as usual. Logits equal those of the real tokens."""
+    prompts = [random_prompt(n, seed=40 + n) for n in (12, 30)]
+    known = [make_sequence(p, 64, llama.num_blocks, seed=i) for i, p in enumerate(prompts)]
+    fed = [make_sequence(p, 64, llama.num_blocks, seed=i) for i, p in enumerate(prompts)]
+    other = make_sequence(random_prompt(7, seed=5), 32, llama.num_blocks, seed=9)
+    for seqs in (known, fed):
+        step(llama, *(ScheduledChunk(s, 0, s.num_tokens) for s in seqs))
+    tokens = [17, 201]
+    for s, t in zip(known, tokens, strict=True):
+        s.token_ids.append(t)
+    for s in fed:
+        s.token_ids.append(PLACEHOLDER)
+    rows = {fed[0].request_id: 1, fed[1].request_id: 0}  # the previous step's rows, swapped
+    prev = torch.tensor(tokens[::-1])
+    want = step(
+        llama, ScheduledChunk(other, 0, 7), *(ScheduledChunk(s, s.num_tokens - 1, 1) for s in known)
+    )
+    packed = llama.pack(
+        SchedulerOutput(
+            [ScheduledChunk(other, 0, 7), *(ScheduledChunk(s, s.num_tokens - 1, 1) for s in fed)]
+        ),
+        rows,
+    )
+    assert (packed.feed_dst, packed.feed_src) == ([7, 8], [1, 0])
+    got = llama.execute(
+        SchedulerOutput(
+            [ScheduledChunk(other, 0, 7), *(ScheduledChunk(s, s.num_tokens - 1, 1) for s in fed)]
+        ),
+        feed=(rows, prev),
+    )
+    torch.testing.assert_close(got, want)
 
 
 def test_execute_does_not_mutate_sequences(llama: ModelRunner):
