@@ -1,12 +1,14 @@
 """Paged attention through a FlashAttention build: vLLM's `vllm_flash_attn` (the mission's
-package, also shipped inside vLLM as `vllm.vllm_flash_attn`) or Dao-AILab's `flash_attn` 2.
+package, also shipped inside vLLM as `vllm.vllm_flash_attn`), flash-attn-4 (`flash_attn.cute`,
+the CuTe DSL kernels for Hopper and Blackwell) or Dao-AILab's `flash_attn` 2, first found first.
 
-Both take this package's cache layout as it is (`[num_blocks, block_size, kv_heads,
+All take this package's cache layout as it is (`[num_blocks, block_size, kv_heads,
 head_dim]`, last dim contiguous), a step's packed queries with `cu_seqlens_q`, and the block
 table; they run a whole mixed prefill/decode step in one varlen launch per layer, with GQA
 native and the causal mask aligned bottom-right, as the contract says. They differ in how the
 key lengths come in: `vllm_flash_attn` reads `seqused_k` (our `seq_lens_k`) and any block
-size divisible by 16; `flash_attn` 2 takes `cu_seqlens_k`, which this backend builds once
+size divisible by 16; flash-attn-4 reads `seqused_k` too, its block table as `page_table`,
+and returns its output (copied into ours); `flash_attn` 2 takes `cu_seqlens_k`, which this backend builds once
 per step on the device (a cumsum, no host read), and pages of a multiple of 256 tokens only.
 
 Whether the backend serves here (`why_not`): a CUDA device, float16 or bfloat16, head_dim a
@@ -47,6 +49,8 @@ class FlashBuild:
     seqused_k: bool  # True: takes `seqused_k`; False: needs `cu_seqlens_k`
     page_multiple: int  # a paged cache's block size must be a multiple of this
     options: tuple[tuple[str, Any], ...] = ()  # extra keywords of every call
+    table_keyword: str = "block_table"  # how a `seqused_k` build names the block table
+    writes_out: bool = True  # a `seqused_k` build that fills `out=`; else it returns it
 
 
 def _version_options(mod: Any) -> tuple[tuple[str, Any], ...]:
@@ -65,6 +69,7 @@ def find_build() -> FlashBuild | str:
     for module, seqused_k, page in (
         ("vllm_flash_attn", True, 16),
         ("vllm.vllm_flash_attn", True, 16),
+        ("flash_attn.cute", True, 16),  # flash-attn-4
         ("flash_attn", False, 256),
     ):
         top = module.split(".")[0]
@@ -77,6 +82,8 @@ def find_build() -> FlashBuild | str:
         except Exception as exc:  # an ABI mismatch raises ImportError, OSError, ...
             tried.append(f"{module}: {type(exc).__name__}: {exc}")
             continue
+        if module == "flash_attn.cute":
+            return FlashBuild(module, varlen, True, page, (), "page_table", writes_out=False)
         options = _version_options(mod) if seqused_k else ()
         return FlashBuild(module, varlen, seqused_k, page, options)
     return "no FlashAttention build imports (" + "; ".join(tried) + ")"
@@ -165,15 +172,21 @@ class FlashPagedBackend(StaticDecodeMetadata[FlashState]):
         k_cache, v_cache = kv_cache
         if out is None:
             out = torch.empty_like(q)
+        build = self.build
         if state.cu_seqlens_k is None:
-            self.build.varlen(
-                q=q, k=k_cache, v=v_cache, out=out,
+            options = {build.table_keyword: meta.block_table, **self._options}
+            if build.writes_out:
+                options["out"] = out
+            result = build.varlen(
+                q=q, k=k_cache, v=v_cache,
                 cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                 seqused_k=meta.seq_lens_k, max_seqlen_k=meta.max_seqlen_k,
-                softmax_scale=scale, causal=True, block_table=meta.block_table, **self._options,
+                softmax_scale=scale, causal=True, **options,
             )  # fmt: skip
+            if not build.writes_out:  # flash-attn-4: (out, lse) or out
+                out.copy_(result[0] if isinstance(result, tuple) else result)
             return out
-        result = self.build.varlen(
+        result = build.varlen(
             q, k_cache, v_cache, meta.cu_seqlens_q, state.cu_seqlens_k,
             meta.max_seqlen_q, meta.max_seqlen_k,
             softmax_scale=scale, causal=True, block_table=meta.block_table,

@@ -30,6 +30,14 @@ def vllm_style(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqle
                         max_seqlen_k, softmax_scale))  # fmt: skip
 
 
+def fa4_style(*, q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+              softmax_scale, causal, page_table):  # fmt: skip
+    assert causal
+    out = reference(q, k, v, cu_seqlens_q, seqused_k, page_table, max_seqlen_q, max_seqlen_k,
+                    softmax_scale)  # fmt: skip
+    return out, torch.zeros(q.shape[0], q.shape[1])  # (out, lse)
+
+
 def fa2_style(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
               softmax_scale, causal, block_table):  # fmt: skip
     assert causal
@@ -40,6 +48,7 @@ def fa2_style(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
 
 BUILDS = {
     "seqused_k": FlashBuild("stand-in", vllm_style, True, 16),
+    "page_table": FlashBuild("stand-in", fa4_style, True, 16, (), "page_table", False),
     "cu_seqlens_k": FlashBuild("stand-in", fa2_style, False, 256),
 }
 
@@ -61,7 +70,8 @@ def test_it_never_serves_without_a_gpu():
 def test_without_a_build_it_says_what_it_tried():
     found = find_build()
     assert isinstance(found, str)
-    assert "vllm_flash_attn: not installed" in found and "flash_attn: not installed" in found
+    for module in ("vllm_flash_attn", "flash_attn.cute", "flash_attn"):
+        assert f"{module}: not installed" in found
     with pytest.raises(RuntimeError, match="no FlashAttention build"):
         FlashPagedBackend()
 
