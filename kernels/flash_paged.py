@@ -8,8 +8,9 @@ table; they run a whole mixed prefill/decode step in one varlen launch per layer
 native and the causal mask aligned bottom-right, as the contract says. They differ in how the
 key lengths come in: `vllm_flash_attn` reads `seqused_k` (our `seq_lens_k`) and any block
 size divisible by 16; flash-attn-4 reads `seqused_k` too, its block table as `page_table`,
-and returns its output (copied into ours); `flash_attn` 2 takes `cu_seqlens_k`, which this backend builds once
-per step on the device (a cumsum, no host read), and pages of a multiple of 256 tokens only.
+and returns its output (copied into ours); `flash_attn` 2 takes `cu_seqlens_k`, which this
+backend builds once per step on the device (a cumsum, no host read), and pages of a multiple
+of 256 tokens only.
 
 Whether the backend serves here (`why_not`): a CUDA device, float16 or bfloat16, head_dim a
 multiple of 8 up to 256, a build that imports and accepts the block size, and a start-up
