@@ -1,8 +1,11 @@
 """What Ray Serve adds over bare mode, against Ray's own floor, in one run.
 
     python bench/overhead.py [--ttft-requests 40] [--itl-rounds 10]
+    python bench/overhead.py --config serve_config.gpu.yaml    # on a GPU host
 
 Starts (and stops) its own Ray on 127.0.0.1 with the application of `serve_config.yaml`
+(or `--config`; with a GPU config the bare server and the Serve replica share the GPU, each
+sizing its KV pool from 0.4 of its memory)
 (same args, same engine settings, speculative decoding off in both: see `main`), a bare
 server (`app.standalone` built from the same args, under uvicorn, in a subprocess) and a
 no-op two-deployment Serve stream, then measures with a raw streaming HTTP client:
@@ -71,15 +74,24 @@ def free_ports(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
 
 
-def serve_config() -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+CONFIG = ROOT / "serve_config.yaml"  # the default of `--config`
+GPU_SHARE = 0.4  # of the GPU's memory, for each of the two engines when they share one
 
 
-def app_args() -> dict[str, Any]:
-    """The `args` of the firstlight application in serve_config.yaml (with the token
-    channel's TCP listener, used only by replicas on other nodes, kept on loopback)."""
-    args = dict(serve_config()["applications"][0].get("args") or {})
+def serve_config(path: Path = CONFIG) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def app_args(path: Path = CONFIG) -> dict[str, Any]:
+    """The `args` of the firstlight application in the config (with the token channel's TCP
+    listener, used only by replicas on other nodes, kept on loopback). An engine on a GPU
+    gets `GPU_SHARE` of its memory: the bare server's engine shares the GPU."""
+    args = dict(serve_config(path)["applications"][0].get("args") or {})
     args["ingress"] = {**args.get("ingress", {}), "channel_tcp_host": "127.0.0.1"}
+    engine = dict(args.get("engine") or {})
+    if engine.get("device", "cpu") != "cpu":
+        engine["cache"] = {**engine.get("cache", {}), "gpu_memory_utilization": GPU_SHARE}
+        args["engine"] = engine
     return args
 
 
@@ -315,6 +327,7 @@ def main() -> None:
     p.add_argument("--ttft-tokens", type=int, default=4)
     p.add_argument("--itl-rounds", type=int, default=10)
     p.add_argument("--itl-tokens", type=int, default=64)
+    p.add_argument("--config", type=Path, default=CONFIG, help="the config to measure")
     p.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)
     p.add_argument("--args", help=argparse.SUPPRESS)
     opts = p.parse_args()
@@ -322,7 +335,7 @@ def main() -> None:
         serve_bare(opts.bare_server, json.loads(opts.args))
         return
 
-    args = app_args()
+    args = app_args(opts.config)
     # Speculation off in both: bare mode drafts in its own process, Serve through the
     # DraftReplica, so with it on the two would emit different tokens per chunk and the ITL
     # comparison would be between two decoders, not about what Serve adds (bench-spec
@@ -339,7 +352,7 @@ def main() -> None:
     try:
         log("starting bare server and Ray Serve")
         bare, bare_url = start_bare(args, threads)
-        start_serve(args, port, serve_config().get("controller_options"), temp_dir)
+        start_serve(args, port, serve_config(opts.config).get("controller_options"), temp_dir)
         model = args.get("served_model_name", "demo")
         serve_url, floor_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}/floor/"
         result = asyncio.run(measure(serve_url, floor_url, bare_url, model, opts))
