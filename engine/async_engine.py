@@ -103,7 +103,7 @@ class _StepResult:
     taken: ClassCounts  # adds this step took from the loop (accepted or rejected)
     waiting: ClassCounts  # the scheduler's queues after the step
     running: ClassCounts
-    ran: bool  # whether the step computed anything (false: nothing fits yet)
+    ran: bool  # whether the step computed or delivered anything (false: nothing fits yet)
 
 
 def _counts(queues: Mapping[RequestClass, Sized]) -> ClassCounts:
@@ -427,7 +427,8 @@ class AsyncEngine:
             taken,
             waiting=_counts(sched.waiting),
             running=_counts(sched.running),
-            ran=(counters.steps, counters.interrupted_steps) != before,  # stopped: go on at once
+            # stopped, or only landed a launched step's tokens: go on at once
+            ran=bool(deltas) or (counters.steps, counters.interrupted_steps) != before,
         )
 
     # -- on the event loop -------------------------------------------------------------------

@@ -357,21 +357,27 @@ class LLMEngine:
         for row, chunk in enumerate(chunks):
             seq = chunk.seq
             rows[seq.request_id] = row
-            if seq.status is SequenceStatus.RUNNING and self._goes_on(seq):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if self._ends_with_next_token(seq):
+                self.scheduler.release(seq)  # seat and blocks back now, as if landed
+            elif self._goes_on(seq):
                 seq.token_ids.append(PLACEHOLDER)
         self._launched = _Launched(out, chunks, rows, tokens, host, copied)
 
-    def _goes_on(self, seq: Sequence) -> bool:
-        """Whether `seq`, about to receive one token, gets its next position scheduled before
-        that token is known: not when that token certainly ends it (length), nor when its
-        next row needs the token history."""
-        sp = seq.sampling
-        after = seq.num_output_tokens + 1
+    def _ends_with_next_token(self, seq: Sequence) -> bool:
+        """Whether the token `seq` is about to receive certainly ends it (length)."""
         return (
-            after < sp.max_tokens
-            and seq.num_tokens + 1 < self.max_model_len
-            and device_pickable(sp, after)
-            and not (self._grammars is not None and seq.request_id in self._grammars)
+            seq.num_output_tokens + 1 >= seq.sampling.max_tokens
+            or seq.num_tokens + 1 >= self.max_model_len
+        )
+
+    def _goes_on(self, seq: Sequence) -> bool:
+        """Whether `seq`, about to receive a token that does not certainly end it, gets its
+        next position scheduled before that token is known: not when its next row needs the
+        token history."""
+        return device_pickable(seq.sampling, seq.num_output_tokens + 1) and not (
+            self._grammars is not None and seq.request_id in self._grammars
         )
 
     def _land(self) -> list[TokenDelta]:

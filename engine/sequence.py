@@ -26,6 +26,9 @@ PLACEHOLDER = -1
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    # Its last token is being computed by a launched step (async scheduling): no seat, no
+    # blocks, finished when that token lands (`Scheduler.release`).
+    ENDING = auto()
     FINISHED = auto()
 
 

@@ -142,12 +142,17 @@ class KVCacheManager:
             self.prefix_hits += hits
         return True
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` whose every position is computed (after a step)."""
+    def cache_full_blocks(self, seq: Sequence, num_known: int | None = None) -> None:
+        """Register the blocks of `seq` whose every position is computed (after a step), and
+        with `num_known`, only those within the first `num_known` tokens (the tokens past it
+        are not known yet: a step launched before its input token was read back)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        computed = seq.num_computed_tokens
+        if num_known is not None:
+            computed = min(computed, num_known)
+        num_full = min(computed // bs, len(seq.block_ids))
         state = self._states.get(seq.request_id)
         if state is None:
             state = self._states[seq.request_id] = _SeqCacheState()

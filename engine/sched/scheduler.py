@@ -48,7 +48,7 @@ from engine.kv.cache_manager import KVCacheManager, KVCacheStats
 from engine.request import FinishReason, RequestClass
 from engine.sched.order import OrderKey, StepOrderPolicy, build_step_order
 from engine.sched.output import ScheduledChunk, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 _CLASSES = (RequestClass.INTERACTIVE, RequestClass.BULK)
 
@@ -231,30 +231,45 @@ class Scheduler:
             self.kv.cache_full_blocks(seq)
 
     def advance(self, out: SchedulerOutput) -> None:
-        """The first half of `update` for a step launched before its tokens are known (the
-        engine's `async_scheduling`; no drafts): its chunks count as computed now, so the next
-        `schedule()` continues after them. `commit(out)` follows once the step's tokens are
-        in the sequences."""
+        """`update` for a step launched before its tokens are known (the engine's
+        `async_scheduling`; no drafts): its chunks count as computed now, so the next
+        `schedule()` continues after them, and the blocks they filled are cached now, as
+        `update` would, except one holding a sequence's `PLACEHOLDER` input (its token is
+        still on the device): `commit(out)` of the step that samples it caches that one."""
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.status is SequenceStatus.RUNNING:
                 assert chunk.start == seq.num_computed_tokens and not chunk.spec_token_ids
                 seq.num_computed_tokens += chunk.num_tokens
+                known = seq.num_tokens - (seq.token_ids[-1] == PLACEHOLDER)
+                self.kv.cache_full_blocks(seq, known)
 
     def commit(self, out: SchedulerOutput) -> None:
-        """The second half: name the blocks that became full (their tokens are real now)."""
+        """After a launched step's tokens are in the sequences: cache the blocks that waited
+        for them (see `advance`)."""
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens <= seq.num_tokens:
                 self.kv.cache_full_blocks(seq)
 
+    def release(self, seq: Sequence) -> None:
+        """A running sequence whose last token a launched step computes (async scheduling):
+        its seat and blocks go back now, as they would once that step's tokens were in, so the
+        next `schedule()` sees what a synchronous engine would. It stays unfinished (ENDING)
+        until `finish`, when the token lands. The launched step still writes its last K/V
+        into the freed blocks: the device runs that write before any later step's."""
+        assert seq.status is SequenceStatus.RUNNING
+        self.running[seq.request_class].remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.ENDING
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire `seq` (running or waiting): its blocks return to the pool now."""
+        """Retire `seq` (running, waiting or ending): its blocks return to the pool now."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running[seq.request_class].remove(seq)
-        else:
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting[seq.request_class].remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED

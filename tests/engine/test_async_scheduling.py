@@ -311,6 +311,59 @@ def test_prefix_cache_hits_are_the_same() -> None:
     assert ahead.kv.stats().prefix_hits == sync.kv.stats().prefix_hits > 0
 
 
+def test_a_prefix_is_cached_for_the_very_next_step() -> None:
+    """A request that arrives one step after another with the same prefix hits the blocks
+    that step filled, as in the synchronous engine (blocks are cached at launch)."""
+    prompt = prompt_ids(11, 70)
+
+    def drive(engine: LLMEngine) -> tuple[list, int]:
+        engine.add_request(make_request("A", prompt, greedy(10)))
+        engine.step()
+        out = run_all(engine, [make_request("B", [*prompt, 5, 6, 7], greedy(10))])
+        return summary(out)["B"], engine.kv.stats().prefix_hits
+
+    sync, ahead = engines()
+    want, got = drive(sync), drive(ahead)
+    assert got == want and want[1] == 64 and want[0][-1][4] == 64  # num_cached_tokens
+
+
+def test_a_sequence_preempted_right_after_its_launch_keeps_its_cached_blocks() -> None:
+    sched = SchedulerConfig(max_num_batched_tokens=256)
+
+    def drive(engine: LLMEngine) -> tuple[dict, int, int]:
+        a = make_request("A", prompt_ids(12, 64), greedy(12), request_class=RequestClass.BULK)
+        engine.add_request(a)
+        first = engine.step()  # the synchronous engine's first token; [] when launched
+        out = run_all(engine, [make_request("B", prompt_ids(13, 90), greedy(8))])
+        out["A"] = first + out["A"]
+        return summary(out), engine.kv.stats().prefix_hits, engine.scheduler.num_preemptions
+
+    sync, ahead = engines(cache=CacheConfig(num_blocks=10), scheduler=sched)
+    want, got = drive(sync), drive(ahead)
+    assert want[2] == 1 and want[1] >= 48  # A was preempted and re-admitted on its cache
+    assert got == want
+
+
+def test_a_seat_is_free_for_the_next_schedule_once_its_last_token_is_launched() -> None:
+    """One seat, four requests: each is admitted in the step right after the one computing
+    the last token of the one before, as in the synchronous engine (no call in between that
+    only waits for a token to land)."""
+
+    def calls(engine: LLMEngine) -> int:
+        for i in range(4):
+            engine.add_request(make_request(f"q{i}", prompt_ids(80 + i, 10), greedy(3)))
+        n = 0
+        while engine.has_unfinished():
+            engine.step()
+            n += 1
+        return n
+
+    sync, ahead = engines(scheduler=SchedulerConfig(max_num_seqs=1))
+    assert calls(sync) == sync.counters.steps == 12
+    assert calls(ahead) == 13 and ahead.counters.steps == 12  # the last lands in a 13th
+    assert ahead.counters.spare_rows == 0
+
+
 def test_default_is_off_on_the_cpu_and_with_speculation() -> None:
     assert not LLMEngine(tiny_config()).async_scheduling
     spec = SpeculativeConfig(method="prompt_lookup", policy="fixed")
