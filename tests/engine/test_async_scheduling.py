@@ -9,6 +9,7 @@ synchronous engine's.
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -437,3 +438,66 @@ def test_long_mixed_workload_with_arrivals_midway(budget: int) -> None:
     assert {k: [d[0] for d in v] for k, v in got.items()} == {
         k: [d[0] for d in v] for k, v in want.items()
     }
+
+
+def random_workload(seed: int, max_model_len: int) -> list[Request]:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(rng.randint(3, 7)):
+        kw: dict = {"max_tokens": rng.randint(1, 30), "ignore_eos": rng.random() < 0.5}
+        if rng.random() < 0.4:
+            kw["temperature"] = 0.0
+        else:
+            kw |= {"temperature": 0.8, "seed": rng.randint(0, 99), "top_k": rng.choice([0, 20])}
+            kw["top_p"] = rng.choice([1.0, 0.9])
+        extra = rng.random()
+        if extra < 0.15:
+            kw["min_tokens"] = min(kw["max_tokens"], rng.randint(1, 5))
+        elif extra < 0.25:
+            kw["logprobs"] = 2
+        elif extra < 0.3:
+            kw["repetition_penalty"] = 1.2
+        if rng.random() < 0.2:
+            kw["stop_token_ids"] = [rng.randint(3, 300)]
+        n = rng.randint(2, min(60, max_model_len - 2))
+        cls = rng.choice([RequestClass.INTERACTIVE, RequestClass.BULK])
+        prompt = prompt_ids(seed * 100 + i, n)
+        requests.append(make_request(f"r{i}", prompt, SamplingParams(**kw), request_class=cls))
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_match_the_synchronous_engine(seed: int) -> None:
+    """Sampling kinds mixed in a batch, small pools (preemption), small budgets (chunked
+    prefill), short contexts, both step orders, arrivals one every other step."""
+    rng = random.Random(1000 + seed)
+    max_model_len = rng.choice([40, 64, 512])
+    sched = SchedulerConfig(
+        max_num_batched_tokens=rng.choice([16, 32, 256]),
+        max_num_seqs=rng.choice([2, 4, 8]),
+        policy=rng.choice(["priority", "fcfs"]),
+    )
+    cache = CacheConfig(num_blocks=rng.choice([8, 12, 64]))
+
+    def drive(engine: LLMEngine) -> dict[str, tuple]:
+        pending = random_workload(seed, max_model_len)
+        out: dict[str, list[TokenDelta]] = {}
+        calls = 0
+        while pending or engine.has_unfinished():
+            if pending and calls % 2 == 0:
+                engine.add_request(pending.pop(0))
+            for d in engine.step():
+                assert PLACEHOLDER not in d.token_ids
+                out.setdefault(d.request_id, []).append(d)
+            check_invariants(engine)
+            calls += 1
+            assert calls < 5000
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        return {
+            rid: (tokens(ds), "".join(d.text for d in ds), ds[-1].finish_reason,
+                  ds[-1].num_output_tokens, ds[-1].error)
+            for rid, ds in out.items()
+        }  # fmt: skip
+
+    sync, ahead = engines(scheduler=sched, cache=cache, max_model_len=max_model_len)
+    assert drive(ahead) == drive(sync)
