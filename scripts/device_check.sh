@@ -60,7 +60,7 @@ run_serve() {
   local pid=$!
   summary+=("serve run $CONFIG: $("$PY" "$HERE/device_summary.py" stream "$OUT/stream.txt")")
   kill -INT -- -"$pid" 2>/dev/null
-  sleep 5
+  for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL -- -"$pid" 2>/dev/null
   ray stop --force >/dev/null 2>&1
   grep -E "attention backend|decode graphs" "$OUT/serve.log" | head -4
