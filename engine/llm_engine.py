@@ -20,8 +20,14 @@ schedules and prepares N + 1: the device never waits for the host between steps.
 scheduler counts a launched step's chunks as computed at launch (`Scheduler.advance`) and
 caches full blocks once their tokens are real (`commit`). A sequence that stops at step N was
 given a row in N + 1 already: that row is wasted and ignored. One whose next token certainly
-ends it (length) gets no placeholder. Outputs are those of the synchronous engine: the same
-tokens, stops, deltas and counts (only unseeded random draws differ, as any run's do).
+ends it (length) gives its seat and blocks back at launch (`Scheduler.release`). Outputs are
+those of the synchronous engine: the same tokens, stops and deltas. Three differences, none
+in what a request generates: unseeded random draws differ (as any run's do); an abort
+reports the tokens sent, not one still on the device; and a sequence that stopped leaves one
+more full block in the prefix cache when its spare row completed it (valid K/V), so a later
+prompt repeating its text may hit one block more. A launched step that fails on the device
+ends its requests and makes the engine forget its prefix cache (blocks are cached at launch,
+before the failure can show).
 
 A bad request never takes the engine down: `step()` does not raise because of one request.
 A failure in one request's own work (sampling or verification, stop checks, detokenization)
@@ -390,7 +396,12 @@ class LLMEngine:
             token_ids = launched.read()
         except Exception:
             n = len(launched.out.chunks)
-            logger.exception("a launched step failed; ending its %d requests", n)
+            logger.exception(
+                "a launched step failed on the device; ending its %d requests and forgetting "
+                "the prefix cache (blocks were cached at launch)",
+                n,
+            )
+            self.kv.forget_prefix_cache()
             for chunk in launched.chunks:
                 del chunk.seq.token_ids[chunk.start + chunk.num_tokens :]
             return self._fail_step(launched.out)
@@ -413,10 +424,20 @@ class LLMEngine:
     def _expire_deadlines(self) -> list[TokenDelta]:
         """Abort requests whose deadline passed (they end with finish reason "abort")."""
         now = time.monotonic()
-        late = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
+        late = [
+            rid
+            for rid, deadline in self._deadlines.items()
+            if deadline <= now and not self._ending(rid)
+        ]
         for rid in late:
             del self._deadlines[rid]
         return [d for rid in late if (d := self.abort(rid)) is not None]
+
+    def _ending(self, request_id: str) -> bool:
+        """Whether the request's last token is launched (async scheduling): a synchronous
+        engine would have finished it already, so its deadline no longer applies."""
+        seq = self.scheduler.get(request_id)
+        return seq is not None and seq.status is SequenceStatus.ENDING
 
     def _interruptible(self, out: SchedulerOutput) -> bool:
         """Whether the step may stop midway: on, and every chunk bulk without drafts."""

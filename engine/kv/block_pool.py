@@ -101,6 +101,15 @@ class BlockPool:
             self.sketch.cleared()
         return True
 
+    def forget_hashes(self) -> None:
+        """Drop every hash, blocks in use included: what they hold can no longer be trusted
+        (a step that wrote into them failed on the device). The blocks stay where they are."""
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        if self.sketch is not None:
+            self.sketch.cleared()
+
     # -- references --------------------------------------------------------------------------
 
     def touch(self, block_ids: Iterable[int]) -> None:

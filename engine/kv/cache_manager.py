@@ -166,6 +166,13 @@ class KVCacheManager:
             self.pool.cache(seq.block_ids[i], state.hashes[i])
         state.num_cached = max(state.num_cached, num_full)
 
+    def forget_prefix_cache(self) -> None:
+        """Forget every cached prefix, the blocks sequences hold included (`reset_prefix_cache`
+        needs none held): after a step that failed on the device, no block's contents can be
+        trusted. Sequences that go on cache their full blocks again as they advance."""
+        self.pool.forget_hashes()
+        self._states.clear()
+
     def rollback(self, seq: Sequence) -> None:
         """Return the blocks of `seq` past `num_computed_tokens` to the pool, last first.
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, _Launched
 from engine.request import FinishReason, Request, RequestClass, SamplingParams, TokenDelta
 from engine.sample.sampler import Sampler
 from engine.sequence import PLACEHOLDER, SequenceStatus
@@ -237,6 +238,42 @@ def test_a_forward_failure_in_a_launched_pipeline_fails_that_step_only(monkeypat
         tokens(run_all(ahead, [make_request("later", prompt_ids(1, 20), greedy(12))])["later"])
         == alone
     )
+
+
+def test_a_launched_step_failing_on_the_device_leaves_nothing_cached(monkeypatch) -> None:
+    """Its blocks were cached at launch; the failure shows at read-back, one call later: the
+    prefix cache is forgotten, so a later request with the same prompt computes it afresh."""
+    engine = LLMEngine(tiny_config(async_scheduling=True))
+    real, calls = _Launched.read, {"n": 0}
+
+    def faulty(self: _Launched) -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("an illegal memory access was encountered")
+        return real(self)
+
+    monkeypatch.setattr(_Launched, "read", faulty)
+    prompt = prompt_ids(1, 40)
+    out = run_all(engine, [make_request("a", prompt, greedy(4))])
+    assert out["a"][-1].finish_reason is FinishReason.ERROR
+    assert engine.kv.pool.num_cached_blocks == 0
+    again = run_all(engine, [make_request("b", prompt, greedy(4))])["b"]
+    assert again[-1].num_cached_tokens == 0 and len(tokens(again)) == 4
+    later = run_all(engine, [make_request("c", prompt, greedy(4))])["c"]
+    assert later[-1].num_cached_tokens == 32  # caching works again afterwards
+
+
+def test_a_deadline_does_not_cut_a_request_whose_last_token_is_launched() -> None:
+    """Its last token (by length) is on the device; the synchronous engine had finished it."""
+    engine = LLMEngine(tiny_config(async_scheduling=True))
+    engine.add_request(
+        make_request("a", prompt_ids(3, 20), greedy(1), deadline=time.monotonic() + 0.05)
+    )
+    assert engine.step() == []
+    assert engine.scheduler.get("a").status is SequenceStatus.ENDING
+    time.sleep(0.1)
+    (last,) = engine.step()
+    assert last.finish_reason is FinishReason.LENGTH and len(last.token_ids) == 1
 
 
 def test_a_draw_outside_the_vocabulary_fails_its_request_alone(monkeypatch) -> None:

@@ -130,3 +130,16 @@ def test_reset_prefix_cache_only_when_idle():
     pool.free(a)
     assert pool.reset_prefix_cache()
     assert pool.lookup(5) is None and pool.num_cached_blocks == 0
+
+
+def test_forget_hashes_drops_cached_blocks_in_use_too():
+    pool = BlockPool(4, 16)
+    held = pool.allocate(2)
+    pool.cache(held[0], 11)
+    pool.cache(held[1], 12)
+    pool.free([held[1]])  # cached and free
+    pool.forget_hashes()
+    assert pool.lookup(11) is None and pool.lookup(12) is None
+    assert pool.num_cached_blocks == 0 and pool.num_free_blocks == 3
+    assert pool.cache(held[0], 21)  # the held block can be cached again
+    pool.free([held[0]])
