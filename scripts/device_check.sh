@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks of the GPU path (issue 10's Show), run on a lent GPU machine in the repo root:
 #
-#   bash scripts/device_check.sh tests gpu      # ~6 min: tests/gpu + bench/gpu.py
-#   bash scripts/device_check.sh serve          # ~5 min: demo build, a streamed chat from a
-#                                               # GPU replica, bench/overhead.py on the GPU config
+#   bash scripts/device_check.sh tests gpu      # tests/gpu + bench/gpu.py
+#   bash scripts/device_check.sh serve          # demo build, a streamed chat from a GPU
+#                                               # replica, bench/overhead.py on the GPU config
+#
+# Each call must end inside the `run` tool's 600 s: the stage timeouts below add up to 570 s
+# per call (tests 150 + gpu 420; serve: demo 150 + stream 120 + stop 20 + overhead 270). A
+# stage cut by its timeout leaves its log under $OUT; `GPU_ARGS="--only 8b"` halves bench/gpu.py.
 #
 # Before the first call, here: `.venv/bin/python scripts/device_wheels.py` (Ray, FastAPI,
 # pydantic and the rest of the Serve path the device image lacks, 55 MiB), then each call
@@ -40,31 +44,32 @@ summary=()
 
 run_tests() {
   # not `-m gpu`: test_decode_graphs.py is unmarked (on a CPU it runs under the interpreter)
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
+  timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
     tests/engine/test_decode_graphs.py 2>&1 | tee "$OUT/tests.log" | tail -25
   summary+=("tests: $(grep -E '[0-9]+ (passed|failed|skipped)' "$OUT/tests.log" | tail -1)")
 }
 
 run_gpu() {
   # shellcheck disable=SC2086  # GPU_ARGS is a list of options
-  timeout 480 "$PY" bench/gpu.py ${GPU_ARGS:-} 2>"$OUT/gpu.err" | tee "$OUT/gpu.json" | tail -1
+  timeout 420 "$PY" bench/gpu.py ${GPU_ARGS:-} 2>"$OUT/gpu.err" | tee "$OUT/gpu.json" | tail -1
   tail -5 "$OUT/gpu.err"
   summary+=("bench/gpu.py: $("$PY" "$HERE/device_summary.py" gpu "$OUT/gpu.json")")
 }
 
 run_serve() {
-  timeout 240 "$PY" -m demo.build --threads "$(nproc)" >"$OUT/demo.log" 2>&1 \
+  timeout 150 "$PY" -m demo.build --threads "$(nproc)" >"$OUT/demo.log" 2>&1 \
     || { summary+=("serve: demo build failed ($OUT/demo.log)"); return; }
   # `make serve` on a GPU host, minus its set-up
   RAY_worker_niceness=0 setsid serve run "$CONFIG" >"$OUT/serve.log" 2>&1 &
   local pid=$!
-  summary+=("serve run $CONFIG: $("$PY" "$HERE/device_summary.py" stream "$OUT/stream.txt")")
+  summary+=("serve run $CONFIG: $(timeout 120 "$PY" "$HERE/device_summary.py" stream \
+    "$OUT/stream.txt")")
   kill -INT -- -"$pid" 2>/dev/null
   for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL -- -"$pid" 2>/dev/null
   ray stop --force >/dev/null 2>&1
   grep -E "attention backend|decode graphs" "$OUT/serve.log" | head -4
-  timeout 300 "$PY" bench/overhead.py --config "$CONFIG" --ttft-requests 30 --itl-rounds 5 \
+  timeout 270 "$PY" bench/overhead.py --config "$CONFIG" --ttft-requests 30 --itl-rounds 5 \
     2>"$OUT/overhead.err" | tee "$OUT/overhead.json" | tail -1
   summary+=("bench/overhead.py ($CONFIG): $(tail -1 "$OUT/overhead.json")")
 }

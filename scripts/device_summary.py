@@ -29,7 +29,7 @@ def gpu(path: Path) -> str:
     return json.dumps({k: result.get(k) for k in TARGETS})
 
 
-def stream(path: Path, wait_s: int = 240) -> str:
+def stream(path: Path, wait_s: int = 100) -> str:
     """Wait for /health, stream one chat from the demo model, save the SSE data lines."""
     for _ in range(wait_s):
         try:
