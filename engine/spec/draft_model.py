@@ -31,7 +31,8 @@ from engine.config import CacheConfig, Dtype, EngineConfig, SchedulerConfig
 from engine.kv.cache_manager import KVCacheManager
 from engine.request import Request, SamplingParams
 from engine.runner.model_runner import ModelRunner
-from engine.sample.sampler import GREEDY_EPS, Sampler
+from engine.sample.filters import weights
+from engine.sample.sampler import GREEDY_EPS
 from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec.proposer import Draft
@@ -214,7 +215,7 @@ class DraftModel:
         rand = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
         if rand:
             idx = torch.tensor(rand, device=logits.device)
-            w = Sampler.weights(logits[idx].float(), [params[i] for i in rand])
+            w = weights(logits[idx].float(), [params[i] for i in rand])
             q = w / w.sum(dim=-1, keepdim=True)
             drawn = torch.multinomial(q, 1, generator=self._gen).squeeze(1).tolist()
             for j, i in enumerate(rand):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.request import Request, SamplingParams
-from engine.sample.sampler import Sampler, _top_p_drop
+from engine.sample.filters import top_p_drop
+from engine.sample.sampler import Sampler
 from engine.sequence import Sequence
 
 V = 10
@@ -110,7 +111,7 @@ def test_top_p_keeps_exactly_the_nucleus(scale: float) -> None:
     vocab, n = 2000, 24
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(4)) * scale
     top_ps = [0.3 + 0.65 * i / n for i in range(n)]
-    drop = _top_p_drop(logits, top_ps)
+    drop = top_p_drop(logits, top_ps)
     for i in range(n):
         kept = set(torch.nonzero(~drop[i]).flatten().tolist())
         assert kept == _reference_nucleus(logits[i].softmax(-1), top_ps[i]), i
