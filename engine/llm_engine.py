@@ -9,25 +9,10 @@ runs all three on its single engine thread). Deltas are produced only for sequen
 sampled this step (all of their new tokens: accepted drafts and the target's own), for
 aborted ones, and for ones that failed.
 
-Async scheduling (`EngineConfig.async_scheduling`, on for CUDA engines): a step whose rows
-need no token history (`engine.sample.sampler.device_pickable`; no drafts, no grammar) is
-launched and its tokens picked on the device without reading them back; the call returns the
-*previous* such step's deltas, read back only after this step is queued behind it. Each of
-its sequences that goes on gets a `PLACEHOLDER` token at once, so the next `schedule()`
-gives it its next position, whose input the runner takes from this step's token tensor on
-the device. While the device computes step N, the host reads back N - 1, emits its deltas,
-schedules and prepares N + 1: the device never waits for the host between steps. The
-scheduler counts a launched step's chunks as computed at launch (`Scheduler.advance`) and
-caches full blocks once their tokens are real (`commit`). A sequence that stops at step N was
-given a row in N + 1 already: that row is wasted and ignored. One whose next token certainly
-ends it (length) gives its seat and blocks back at launch (`Scheduler.release`). Outputs are
-those of the synchronous engine: the same tokens, stops and deltas. Three differences, none
-in what a request generates: unseeded random draws differ (as any run's do); an abort
-reports the tokens sent, not one still on the device; and a sequence that stopped leaves one
-more full block in the prefix cache when its spare row completed it (valid K/V), so a later
-prompt repeating its text may hit one block more. A launched step that fails on the device
-ends its requests and makes the engine forget its prefix cache (blocks are cached at launch,
-before the failure can show).
+Async scheduling (`EngineConfig.async_scheduling`, on for CUDA engines; `engine.ahead`): a
+step whose rows need no token history is launched without reading its tokens back, and the
+call returns the previous launched step's deltas (`_land`), so the device never waits for the
+host between steps.
 
 A bad request never takes the engine down: `step()` does not raise because of one request.
 A failure in one request's own work (sampling or verification, stop checks, detokenization)
@@ -45,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.ahead import StepsAhead
 from engine.config import EngineConfig
 from engine.device import placed
 from engine.errors import InvalidRequest
@@ -57,7 +43,8 @@ from engine.output.detokenizer import IncrementalDetokenizer
 from engine.output.stop import find_stop
 from engine.request import FinishReason, Request, RequestClass, TokenDelta, TokenLogprob
 from engine.runner.model_runner import Feed, ModelRunner
-from engine.sample.sampler import Sampler, SampleResult, device_pickable
+from engine.sample.chunks import sample_chunks
+from engine.sample.sampler import Sampler, SampleResult
 from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -66,7 +53,7 @@ from engine.spec.proposer import NoopProposer, Proposer
 from engine.spec.speculation import Speculation, clear_drafts
 from engine.stats import EngineCounters, SpecStats, TTFTWindow
 from engine.structured.compiler import start_compiler
-from engine.structured.masks import GrammarStates, TokenMask
+from engine.structured.masks import GrammarStates
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,24 +70,6 @@ class _NewTokens:
     reason: FinishReason | None = None
     error: str | None = None
     num_accepted: int = 0  # drafts among `token_ids` (a prefix) whose K/V counts as computed
-
-
-@dataclass(slots=True)
-class _Launched:
-    """A step launched with its tokens still on the device (async scheduling)."""
-
-    out: SchedulerOutput
-    chunks: list[ScheduledChunk]  # the sampling chunks: one token each, in row order
-    rows: dict[str, int]  # request id -> row of `tokens`
-    tokens: torch.Tensor  # [len(chunks)] int64 on the device
-    host: torch.Tensor  # where they are copied to (pinned), or `tokens` itself on the CPU
-    copied: torch.cuda.Event | None  # recorded after that copy (GPU)
-
-    def read(self) -> list[int]:
-        """The step's tokens; waits for the device to finish this step, not the next."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host[: len(self.chunks)].tolist()
 
 
 class LLMEngine:
@@ -164,22 +133,22 @@ class LLMEngine:
         self.ttft = TTFTWindow()  # per class, for the autoscaler (EngineStats.ttft_p95_*)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deadlines: dict[str, float] = {}  # only requests that carry one
-        # Async scheduling (module doc): never with speculation, whose drafts are verified
+        # Async scheduling (engine.ahead): never with speculation, whose drafts are verified
         # on the host.
         overlap = config.async_scheduling
         if overlap is None:
             overlap = self.runner.device.type == "cuda"
         self.async_scheduling = overlap and self.spec is None
-        self._launched: _Launched | None = None
-        # Two pinned landing places for launched steps' tokens, taken in turn, each with the
-        # event recorded after its copy (GPU).
-        self._token_hosts: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-        if self.async_scheduling and self.runner.device.type == "cuda":
-            n = config.scheduler.max_num_seqs
-            self._token_hosts = [
-                (torch.empty(n, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                for _ in range(2)
-            ]
+        self.ahead: StepsAhead | None = None
+        if self.async_scheduling:
+            self.ahead = StepsAhead(
+                self.scheduler,
+                self.sampler,
+                self.max_model_len,
+                self._constrained,
+                device=self.runner.device,
+                max_num_seqs=config.scheduler.max_num_seqs,
+            )
 
     # -- requests -------------------------------------------------------------------------
 
@@ -240,7 +209,7 @@ class LLMEngine:
         self._forget(request_id)
         if seq.token_ids[-1] == PLACEHOLDER:  # its step's token is not read back: dropped
             seq.token_ids.pop()
-        return self._delta(seq, [], "", FinishReason.ABORT)
+        return seq.delta([], "", FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -268,8 +237,9 @@ class LLMEngine:
         if out.is_empty:
             return expired + self._land()
         chunks = [c for c in out.chunks if c.samples]
-        ahead = self.async_scheduling and self._can_launch(chunks)
-        if self._launched is not None and not ahead:
+        steps = self.ahead
+        ahead = steps is not None and steps.can_launch(chunks)
+        if steps is not None and steps.launched is not None and not ahead:
             # This step samples on the host: the launched one lands first, so its
             # placeholders are tokens (a sequence it ended leaves this step).
             expired += self._land()
@@ -280,8 +250,7 @@ class LLMEngine:
         masks = self._grammars.start_masks(chunks) if self._grammars else None
         if interrupt is not None and (masks is not None or not self._interruptible(out)):
             interrupt = None
-        launched = self._launched
-        feed = (launched.rows, launched.tokens) if launched is not None else None
+        feed = steps.feed() if steps is not None else None
         try:
             logits = self._execute(out, interrupt, feed)  # the masks are computed meanwhile
         except StepInterrupted:
@@ -289,13 +258,14 @@ class LLMEngine:
             self.counters.interrupted_steps += 1
             return expired + self._land()
         if ahead and logits is not None:
-            tokens = self._pick(logits, chunks)
+            assert steps is not None
+            tokens = steps.pick(logits, chunks)
             if tokens is not None:  # launched: the previous step's deltas go out meanwhile
                 self.scheduler.advance(out)
                 self.counters.steps += 1
                 self.counters.launched_steps += 1
                 deltas = self._land()
-                self._launch(out, chunks, tokens)
+                steps.launch(out, chunks, tokens)
                 return expired + deltas if expired else deltas
             # Picking failed: sample on the host (each chunk alone if need be), after the
             # launched step has landed; a sequence it ended keeps no row.
@@ -309,7 +279,7 @@ class LLMEngine:
         mask, mask_errors = masks.result() if masks is not None else (None, {})
         if logits is None:
             return expired + self._fail_step(out)
-        results = self._sample(logits, chunks, mask, mask_errors)
+        results = sample_chunks(self.sampler, logits, chunks, mask, mask_errors)
         news = [self._append(c, r) for c, r in zip(chunks, results, strict=True)]
         self.scheduler.update(out, self._num_accepted(chunks, news))
         self.counters.steps += 1
@@ -325,71 +295,15 @@ class LLMEngine:
             ]
         return expired + deltas if expired else deltas
 
-    # -- async scheduling ---------------------------------------------------------------------
+    # -- landing a launched step (engine.ahead) ------------------------------------------------
 
-    def _can_launch(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether every sampling row of the step can be picked on the device."""
-        grammars = self._grammars
-        for c in chunks:
-            seq = c.seq
-            if (
-                c.spec_token_ids
-                or not device_pickable(seq.sampling, seq.num_output_tokens)
-                or (grammars is not None and seq.request_id in grammars)
-            ):
-                return False
-        return True
-
-    def _pick(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-        """This step's tokens on the device (None when picking raised)."""
-        try:
-            return self.sampler.pick(logits, [c.seq for c in chunks])
-        except Exception:  # e.g. a seed the generator rejects: each chunk alone, on the host
-            logger.exception("picking on the device failed; sampling this step on the host")
-            return None
-
-    def _launch(
-        self, out: SchedulerOutput, chunks: list[ScheduledChunk], tokens: torch.Tensor
-    ) -> None:
-        """Hold a launched step, and give each sequence that goes on its placeholder."""
-        copied = None
-        host = tokens
-        if self._token_hosts:
-            self._token_hosts.reverse()  # the other one may still be read by `_land`
-            host, copied = self._token_hosts[0]
-            host[: len(chunks)].copy_(tokens, non_blocking=True)
-            copied.record()
-        rows = {}
-        for row, chunk in enumerate(chunks):
-            seq = chunk.seq
-            rows[seq.request_id] = row
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            if self._ends_with_next_token(seq):
-                self.scheduler.release(seq)  # seat and blocks back now, as if landed
-            elif self._goes_on(seq):
-                seq.token_ids.append(PLACEHOLDER)
-        self._launched = _Launched(out, chunks, rows, tokens, host, copied)
-
-    def _ends_with_next_token(self, seq: Sequence) -> bool:
-        """Whether the token `seq` is about to receive certainly ends it (length)."""
-        return (
-            seq.num_output_tokens + 1 >= seq.sampling.max_tokens
-            or seq.num_tokens + 1 >= self.max_model_len
-        )
-
-    def _goes_on(self, seq: Sequence) -> bool:
-        """Whether `seq`, about to receive a token that does not certainly end it, gets its
-        next position scheduled before that token is known: not when its next row needs the
-        token history."""
-        return device_pickable(seq.sampling, seq.num_output_tokens + 1) and not (
-            self._grammars is not None and seq.request_id in self._grammars
-        )
+    def _constrained(self, request_id: str) -> bool:
+        return self._grammars is not None and request_id in self._grammars
 
     def _land(self) -> list[TokenDelta]:
         """Read back the launched step's tokens and finish its work as a synchronous step
         would: placeholders replaced, stops, text, full blocks cached, deltas."""
-        launched, self._launched = self._launched, None
+        launched = self.ahead.take() if self.ahead is not None else None
         if launched is None:
             return []
         try:
@@ -427,17 +341,11 @@ class LLMEngine:
         late = [
             rid
             for rid, deadline in self._deadlines.items()
-            if deadline <= now and not self._ending(rid)
+            if deadline <= now and not (self.ahead is not None and self.ahead.ending(rid))
         ]
         for rid in late:
             del self._deadlines[rid]
         return [d for rid in late if (d := self.abort(rid)) is not None]
-
-    def _ending(self, request_id: str) -> bool:
-        """Whether the request's last token is launched (async scheduling): a synchronous
-        engine would have finished it already, so its deadline no longer applies."""
-        seq = self.scheduler.get(request_id)
-        return seq is not None and seq.status is SequenceStatus.ENDING
 
     def _interruptible(self, out: SchedulerOutput) -> bool:
         """Whether the step may stop midway: on, and every chunk bulk without drafts."""
@@ -470,60 +378,6 @@ class LLMEngine:
         news = [_NewTokens(c.seq, error=message) for c in out.chunks]
         return [self._emit(n) for n in news if not n.seq.is_finished]
 
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        chunks: list[ScheduledChunk],
-        mask: TokenMask | None = None,
-        mask_errors: dict[str, str] | None = None,
-    ) -> list[SampleResult | str]:
-        """One result per chunk, or the error of a chunk whose sampling failed: the batch is
-        sampled at once; if that raises, each chunk alone, so only the failing ones fail.
-        A chunk whose grammar failed (`mask_errors`) fails alone."""
-        if not chunks:
-            return []
-        if mask_errors:
-            return self._sample_alone(logits, chunks, mask, mask_errors)
-        seqs = [c.seq for c in chunks]
-        drafts = (
-            [c.spec_token_ids for c in chunks] if any(c.spec_token_ids for c in chunks) else None
-        )
-        probs = None if drafts is None else [_draft_probs(c) for c in chunks]
-        try:
-            return list(self.sampler.sample(logits, seqs, drafts, probs, mask))
-        except Exception:
-            logger.exception("batched sampling failed; sampling each request alone")
-        return self._sample_alone(logits, chunks, mask, {})
-
-    def _sample_alone(
-        self,
-        logits: torch.Tensor,
-        chunks: list[ScheduledChunk],
-        mask: TokenMask | None,
-        errors: dict[str, str],
-    ) -> list[SampleResult | str]:
-        drafts = any(c.spec_token_ids for c in chunks)
-        results: list[SampleResult | str] = []
-        row = 0
-        for chunk in chunks:
-            n = len(chunk.spec_token_ids) + 1
-            error = errors.get(chunk.seq.request_id)
-            if error is not None:
-                results.append(error)
-                row += n
-                continue
-            spec = [chunk.spec_token_ids] if drafts else None
-            one = [_draft_probs(chunk)] if drafts else None
-            window = mask.window(row, row + n) if mask is not None else None
-            try:
-                results.append(
-                    self.sampler.sample(logits[row : row + n], [chunk.seq], spec, one, window)[0]
-                )
-            except Exception as e:
-                results.append(f"sampling failed: {type(e).__name__}: {e}")
-            row += n
-        return results
-
     def _append(self, chunk: ScheduledChunk, result: SampleResult | str) -> _NewTokens:
         """Cut the new tokens at the first stop (token or string), append them to the sequence
         and detokenize them. A failure here fails this request only (it is finished now)."""
@@ -542,7 +396,7 @@ class LLMEngine:
                     reason = FinishReason.STOP
             detok = self._detok[seq.request_id]
             if len(tokens) > 1 and seq.sampling.stop:
-                text, tokens, stop_hit = _push_each(detok, tokens)
+                text, tokens, stop_hit = detok.push_each(tokens)
             else:
                 text, stop_hit = detok.push(tokens)
             if stop_hit:
@@ -608,7 +462,7 @@ class LLMEngine:
             seq.timings.finished = time.monotonic()
             self.scheduler.finish(seq, new.reason)
             self._forget(seq.request_id)
-        delta = self._delta(seq, new.token_ids, new.text, new.reason, new.logprobs)
+        delta = seq.delta(new.token_ids, new.text, new.reason, new.logprobs)
         delta.error = new.error
         return delta
 
@@ -632,48 +486,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.forget(request_id)
 
-    @staticmethod
-    def _delta(
-        seq: Sequence,
-        token_ids: list[int],
-        text: str,
-        reason: FinishReason | None,
-        logprobs: list | None = None,
-    ) -> TokenDelta:
-        return TokenDelta(
-            request_id=seq.request_id,
-            token_ids=token_ids,
-            text=text,
-            finish_reason=reason,
-            logprobs=logprobs,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            timings=seq.timings,
-            num_draft_tokens=seq.num_draft_tokens,
-            num_accepted_tokens=seq.num_accepted_tokens,
-        )
-
     # -- observability ----------------------------------------------------------------------
 
     def spec_stats(self) -> SpecStats | None:
         """Speculative decoding counters; None when the engine does not speculate."""
         return self.spec.stats() if self.spec is not None else None
-
-
-def _draft_probs(chunk: ScheduledChunk) -> torch.Tensor | None:
-    """The proposer's distributions for the drafts the scheduler kept (a prefix)."""
-    probs = chunk.seq.spec_probs
-    return None if probs is None else probs[: len(chunk.spec_token_ids)]
-
-
-def _push_each(detok: IncrementalDetokenizer, tokens: list[int]) -> tuple[str, list[int], bool]:
-    """Detokenize a run one token at a time, so that a stop string ends it at the token that
-    completed it: (new text, tokens kept, stop string hit)."""
-    pieces = []
-    for i, token in enumerate(tokens):
-        piece, stop_hit = detok.push([token])
-        pieces.append(piece)
-        if stop_hit:
-            return "".join(pieces), tokens[: i + 1], True
-    return "".join(pieces), tokens, False

@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from engine.request import FinishReason, Request, RequestClass, SamplingParams, Timings
+from engine.request import (
+    FinishReason,
+    Request,
+    RequestClass,
+    SamplingParams,
+    Timings,
+    TokenDelta,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -89,3 +97,25 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def delta(
+        self,
+        token_ids: list[int],
+        text: str,
+        reason: FinishReason | None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> TokenDelta:
+        """A delta of these new tokens, with the request's counts and timings as they stand."""
+        return TokenDelta(
+            request_id=self.request_id,
+            token_ids=token_ids,
+            text=text,
+            finish_reason=reason,
+            logprobs=logprobs,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            timings=self.timings,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+        )

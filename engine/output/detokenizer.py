@@ -183,6 +183,17 @@ class IncrementalDetokenizer:
             self._pieces.append(text)
         return DetokenizerResult(text, hit)
 
+    def push_each(self, token_ids: list[int]) -> tuple[str, list[int], bool]:
+        """`push` a run one token at a time, so that a stop string ends it at the token that
+        completed it: (new text, tokens kept, stop string hit)."""
+        pieces = []
+        for i, token in enumerate(token_ids):
+            piece, stop_hit = self.push([token])
+            pieces.append(piece)
+            if stop_hit:
+                return "".join(pieces), token_ids[: i + 1], True
+        return "".join(pieces), token_ids, False
+
     def flush(self) -> str:
         """Release all held text (incomplete characters decode to U+FFFD, as in a full decode).
 

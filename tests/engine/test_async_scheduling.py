@@ -15,9 +15,10 @@ import time
 import pytest
 import torch
 
+from engine.ahead import Launched
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine, _Launched
+from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, Request, RequestClass, SamplingParams, TokenDelta
 from engine.sample.sampler import Sampler
 from engine.sequence import PLACEHOLDER, SequenceStatus
@@ -244,15 +245,15 @@ def test_a_launched_step_failing_on_the_device_leaves_nothing_cached(monkeypatch
     """Its blocks were cached at launch; the failure shows at read-back, one call later: the
     prefix cache is forgotten, so a later request with the same prompt computes it afresh."""
     engine = LLMEngine(tiny_config(async_scheduling=True))
-    real, calls = _Launched.read, {"n": 0}
+    real, calls = Launched.read, {"n": 0}
 
-    def faulty(self: _Launched) -> list[int]:
+    def faulty(self: Launched) -> list[int]:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("an illegal memory access was encountered")
         return real(self)
 
-    monkeypatch.setattr(_Launched, "read", faulty)
+    monkeypatch.setattr(Launched, "read", faulty)
     prompt = prompt_ids(1, 40)
     out = run_all(engine, [make_request("a", prompt, greedy(4))])
     assert out["a"][-1].finish_reason is FinishReason.ERROR
