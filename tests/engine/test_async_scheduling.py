@@ -45,12 +45,19 @@ def check_invariants(engine: LLMEngine) -> None:
         assert seq.num_computed_tokens <= seq.num_tokens
 
 
-def run_all(engine: LLMEngine, requests: list[Request]) -> dict[str, list[TokenDelta]]:
-    for r in requests:
-        engine.add_request(r)
+def run_all(
+    engine: LLMEngine, requests: list[Request], every: int = 0
+) -> dict[str, list[TokenDelta]]:
+    """Step until idle: every delta by request. `every`: one request arrives every that many
+    calls (0: all of them first)."""
+    pending = list(requests)
     out: dict[str, list[TokenDelta]] = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished():
+    for call in range(10_000):
+        while pending and (not every or call % every == 0):
+            engine.add_request(pending.pop(0))
+            if every:
+                break
+        if not pending and not engine.has_unfinished():
             assert engine.kv.num_free_blocks == engine.kv.num_blocks
             return out
         for delta in engine.step():
@@ -455,17 +462,7 @@ def test_long_mixed_workload_with_arrivals_midway(budget: int) -> None:
     """Requests arrive while others decode (admissions between launched steps)."""
 
     def drive(engine: LLMEngine) -> dict[str, list[tuple]]:
-        pending = mixed_greedy()
-        out: dict[str, list[TokenDelta]] = {}
-        step = 0
-        while pending or engine.has_unfinished():
-            if pending and step % 3 == 0:
-                engine.add_request(pending.pop(0))
-            for d in engine.step():
-                out.setdefault(d.request_id, []).append(d)
-            check_invariants(engine)
-            step += 1
-        return summary(out)
+        return summary(run_all(engine, mixed_greedy(), every=3))
 
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=3)
     sync, ahead = engines(scheduler=sched, cache=CacheConfig(num_blocks=24))
@@ -518,19 +515,7 @@ def test_random_workloads_match_the_synchronous_engine(seed: int) -> None:
     cache = CacheConfig(num_blocks=rng.choice([8, 12, 64]))
 
     def drive(engine: LLMEngine) -> dict[str, tuple]:
-        pending = random_workload(seed, max_model_len)
-        out: dict[str, list[TokenDelta]] = {}
-        calls = 0
-        while pending or engine.has_unfinished():
-            if pending and calls % 2 == 0:
-                engine.add_request(pending.pop(0))
-            for d in engine.step():
-                assert PLACEHOLDER not in d.token_ids
-                out.setdefault(d.request_id, []).append(d)
-            check_invariants(engine)
-            calls += 1
-            assert calls < 5000
-        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        out = run_all(engine, random_workload(seed, max_model_len), every=2)
         return {
             rid: (tokens(ds), "".join(d.text for d in ds), ds[-1].finish_reason,
                   ds[-1].num_output_tokens, ds[-1].error)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams, TokenDelta
-from tests.engine.engine_fixture import greedy, make_request, prompt_ids, tiny_config
+from tests.engine.engine_fixture import greedy, make_request, prompt_ids
+from tests.gpu.helpers import warm_gpu_engine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,16 +23,7 @@ pytestmark = [
 
 
 def make_engine(async_scheduling: bool | None, dtype: str = "float32") -> LLMEngine:
-    config = tiny_config(
-        device="cuda",
-        dtype=dtype,
-        async_scheduling=async_scheduling,
-        cache=CacheConfig(num_blocks=512),
-        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
-    )
-    engine = LLMEngine(config)
-    engine.runner.warmup()
-    return engine
+    return warm_gpu_engine(dtype, 256, async_scheduling=async_scheduling)
 
 
 def requests() -> list[Request]:

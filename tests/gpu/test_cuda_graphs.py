@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from tests.engine.engine_fixture import greedy, make_request, prompt_ids, tiny_config
+from tests.engine.engine_fixture import greedy, make_request, prompt_ids
+from tests.gpu.helpers import warm_gpu_engine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,15 +21,7 @@ pytestmark = [
 
 
 def outputs(cuda_graphs: bool, dtype: str) -> tuple[dict[str, list[int]], LLMEngine]:
-    config = tiny_config(
-        device="cuda",
-        dtype=dtype,
-        cuda_graphs=cuda_graphs,
-        cache=CacheConfig(num_blocks=512),
-        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
-    )
-    engine = LLMEngine(config)
-    engine.runner.warmup()
+    engine = warm_gpu_engine(dtype, cuda_graphs=cuda_graphs)
     lengths = [(5, 400), (40, 300), (200, 250), (17, 120), (3, 60)]  # (prompt, new tokens)
     for i, (prompt, new) in enumerate(lengths):
         engine.add_request(make_request(f"r{i}", prompt_ids(i, prompt), greedy(new)))
