@@ -36,7 +36,7 @@ one `argmax`: this runs every engine step, so per-step overhead matters.
 (`device_pickable`: no penalties, no `min_tokens` ban, no logprobs) and carry no drafts: it
 returns the tokens as a tensor on the logits' device without reading them back and without a
 blocking host-to-device copy, so an engine can launch its next step before this one's tokens
-are known (`engine.llm_engine`, `async_scheduling`). Same draws, same generators as `sample`.
+are known (`engine.ahead`, async scheduling). Same draws, same generators as `sample`.
 """
 
 from __future__ import annotations
