@@ -119,7 +119,7 @@ class EngineConfig:
     # (engine.runner.graphs); off: every step launches its kernels one by one.
     cuda_graphs: bool = True
     # A step is launched before the previous step's tokens are read back, its inputs for those
-    # tokens taken from the device (engine.llm_engine.LLMEngine.step): the host's work between
+    # tokens taken from the device (engine.ahead): the host's work between
     # steps (outputs, scheduling, input preparation) runs while the device computes. A
     # sequence that stopped wastes one row of the step after. Applies to steps whose rows need
     # no token history (no penalties, logprobs, min_tokens ban, grammar) in engines that do
