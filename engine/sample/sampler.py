@@ -102,8 +102,15 @@ def device_pickable(sp: SamplingParams, num_output_tokens: int) -> bool:
         sp.logprobs is None
         and sp.repetition_penalty == 1.0
         and not has_freq_pres(sp)
-        and num_output_tokens >= sp.min_tokens
+        and not bans_tokens(sp, num_output_tokens)
     )
+
+
+def bans_tokens(sp: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether `min_tokens` may forbid tokens this step: inside its window, with stop token
+    ids or an EOS that counts (`ignore_eos` off). `min_tokens` with `ignore_eos` and no stop
+    ids bans nothing, so such rows keep the fast paths (greedy, and picks on the device)."""
+    return num_output_tokens < sp.min_tokens and (bool(sp.stop_token_ids) or not sp.ignore_eos)
 
 
 def _is_plain_greedy(sp: SamplingParams, num_output_tokens: int) -> bool:
@@ -113,7 +120,7 @@ def _is_plain_greedy(sp: SamplingParams, num_output_tokens: int) -> bool:
         and sp.repetition_penalty == 1.0
         and sp.frequency_penalty == 0.0
         and sp.presence_penalty == 0.0
-        and num_output_tokens >= sp.min_tokens
+        and not bans_tokens(sp, num_output_tokens)
     )
 
 

@@ -189,6 +189,19 @@ def test_rows_that_need_the_host_land_the_launched_step_first() -> None:
     assert 0 < ahead.counters.launched_steps < ahead.counters.steps  # both kinds ran
 
 
+def test_exactly_n_tokens_with_ignore_eos_goes_ahead() -> None:
+    """The benchmarks' requests (`min_tokens == max_tokens`, `ignore_eos`) ban no token, so
+    every step of theirs is launched, with the synchronous engine's outputs."""
+
+    def requests() -> list[Request]:
+        sp = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, ignore_eos=True)
+        return [make_request(f"n{i}", prompt_ids(i, 10 + i), sp) for i in range(3)]
+
+    sync, ahead = engines()
+    assert summary(run_all(ahead, requests())) == summary(run_all(sync, requests()))
+    assert ahead.counters.launched_steps == ahead.counters.steps > 0
+
+
 def test_a_step_returns_the_previous_launched_steps_tokens() -> None:
     engine = LLMEngine(tiny_config(async_scheduling=True))
     engine.add_request(make_request("a", prompt_ids(7, 12), greedy(4)))

@@ -7,7 +7,7 @@ import torch
 
 from engine.request import Request, SamplingParams
 from engine.sample.filters import top_p_drop
-from engine.sample.sampler import Sampler
+from engine.sample.sampler import Sampler, bans_tokens, device_pickable
 from engine.sequence import Sequence
 
 V = 10
@@ -190,6 +190,17 @@ def test_min_tokens_bans_eos_and_stop_token_ids() -> None:
     # Sampled rows obey the ban too.
     seqs = [make_seq(temperature=1.0, min_tokens=1, stop_token_ids=(8,)) for _ in range(500)]
     assert not {8, 9} & set(tokens(make_sampler().sample(logits.expand(500, V), seqs)))
+
+
+def test_a_min_tokens_window_that_bans_nothing_keeps_the_fast_paths() -> None:
+    """`min_tokens` with `ignore_eos` and no stop ids bans no token (benchmarks ask for exactly
+    n tokens so), so its rows stay pickable on the device; with stop ids or EOS they are not."""
+    free = SamplingParams(max_tokens=8, min_tokens=8, ignore_eos=True)
+    assert not bans_tokens(free, 0) and device_pickable(free, 0)
+    stop_ids = SamplingParams(max_tokens=8, min_tokens=8, ignore_eos=True, stop_token_ids=(8,))
+    for sp in (stop_ids, SamplingParams(max_tokens=8, min_tokens=8)):
+        assert bans_tokens(sp, 7) and not device_pickable(sp, 7)
+        assert not bans_tokens(sp, 8) and device_pickable(sp, 8)
 
 
 def _run_seeded(sampler: Sampler, batches: list[list[Sequence]], target: str) -> list[int]:
