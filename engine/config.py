@@ -118,6 +118,11 @@ class EngineConfig:
     # CUDA graphs captured at warm-up when the attention backend supports them
     # (engine.runner.graphs); off: every step launches its kernels one by one.
     cuda_graphs: bool = True
+    # The layers' element-wise stages (residual add + RMSNorm, RoPE, SiLU-and-multiply) as
+    # one fused Triton kernel each (kernels.layer_ops) instead of about twenty torch ops a
+    # layer. None: fused where the kernels run (CUDA) and pass a start-up check against
+    # torch's ops; True: fused or an error; False: torch's ops.
+    fused_ops: bool | None = None
     # A step is launched before the previous step's tokens are read back, its inputs for those
     # tokens taken from the device (engine.ahead): the host's work between
     # steps (outputs, scheduling, input preparation) runs while the device computes. A

@@ -28,7 +28,7 @@ B = TypeVar("B", bound=type[AttentionBackend])
 
 log = logging.getLogger("firstlight.kernels")
 
-_SKIP_MODULES = frozenset({"interface", "registry", "kv_write", "graph_metadata"})
+_SKIP_MODULES = frozenset({"interface", "registry", "kv_write", "graph_metadata", "layer_ops"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@ layer's attention and MLP, the pass stops with `StepInterrupted` once it says Tr
 once; then each layer projects q/k/v, applies RoPE at `positions` and hands q, k, v to
 `backend.forward`, which writes K/V at `meta.slot_mapping` and attends. q/k/v and gate/up
 are fused into one matmul each; `load_weights` maps HF checkpoint names onto the fused
-slices.
+slices. The element-wise stages (residual add + RMSNorm, RoPE, SiLU-and-multiply) run
+through `ops` (kernels.layer_ops: torch's ops, or one fused kernel each): layers pass
+`(hidden, residual)` on, the residual added inside the next norm, as vLLM's models do.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.rope import RotaryEmbedding, apply_rope
+from engine.models.rope import RotaryEmbedding
 from engine.models.spec import ModelSpec
 from kernels.interface import AttentionBackend, AttentionMetadata, KVCache
+from kernels.layer_ops import LayerOps, TorchOps, rms_norm
 
 
 class StepInterrupted(Exception):
@@ -39,15 +42,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         self.backend = backend
+        self.ops = ops
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -72,10 +74,10 @@ class Attention(nn.Module):
         nq, nkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(h).view(num_tokens, nq + 2 * nkv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(self.q_norm(qkv[:, :nq]), cos, sin)
-            k = apply_rope(self.k_norm(qkv[:, nq : nq + nkv]), cos, sin)
+            q = self.ops.rope(self.q_norm(qkv[:, :nq]), cos, sin)
+            k = self.ops.rope(self.k_norm(qkv[:, nq : nq + nkv]), cos, sin)
         else:  # q and k rotate together in one pass
-            qk = apply_rope(qkv[:, : nq + nkv], cos, sin)
+            qk = self.ops.rope(qkv[:, : nq + nkv], cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]
         v = qkv[:, nq + nkv :]
         o = self.backend.forward(q, k, v, meta, kv_cache=kv_cache, scale=self.scale)
@@ -83,39 +85,47 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, ops: LayerOps):
         super().__init__()
+        self.ops = ops
         size = spec.intermediate_size
         self.shard_sizes = (size, size)  # gate_proj, up_proj rows
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, backend)
+        self.self_attn = Attention(spec, backend, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, ops)
 
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         interrupt: Callable[[], bool] | None = None,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(mlp_out, residual)`: the layer's output is their sum, which the next norm forms
+        (`residual` None in the first layer, whose input is `h` alone)."""
+        norm = self.input_layernorm
+        x, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn(x, cos, sin, kv_cache, meta)
         if interrupt is not None and interrupt():  # the MLP is most of a layer's time
             raise StepInterrupted
-        return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.post_attention_layernorm
+        x, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
 
 
 # HF checkpoint projection name -> (our fused module name, shard index within it)
@@ -131,12 +141,21 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, device: torch.device):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        device: torch.device,
+        ops: LayerOps | None = None,
+    ):
         super().__init__()
         self.spec = spec
         self.backend = backend
+        self.ops = ops if ops is not None else TorchOps()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, backend, self.ops) for _ in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = (
             None
@@ -155,12 +174,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         self.backend.prepare(meta)
         h = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         cos, sin = self.rotary.cos_sin(positions, h.dtype, meta.max_seqlen_k - 1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if interrupt is not None and interrupt():
                 raise StepInterrupted
-            h = layer(h, cos, sin, kv_cache, meta, interrupt)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta, interrupt)
+        return self.ops.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, vocab]` logits in the model dtype (tied models reuse the embedding matrix)."""

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from engine.models.llama import LlamaForCausalLM
 from engine.models.spec import ModelSpec
 from kernels.interface import AttentionBackend
+from kernels.layer_ops import LayerOps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,13 +82,15 @@ def load_model(
     dtype: str | torch.dtype,
     device: str | torch.device,
     backend: AttentionBackend,
+    ops: LayerOps | None = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
-    """An eval-mode model with every weight loaded, on `device` in `dtype`, and its info."""
+    """An eval-mode model with every weight loaded, on `device` in `dtype`, and its info;
+    `ops` runs its element-wise stages (kernels.layer_ops; None: torch's)."""
     path = Path(path)
     info = read_model_info(path, dtype)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(read_spec(path), backend, device)
+        model = LlamaForCausalLM(read_spec(path), backend, device, ops)
     model = model.to(dtype=info.dtype).to_empty(device=device)
     with torch.no_grad():
         model.load_weights(iter_safetensors(path))

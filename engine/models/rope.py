@@ -74,9 +74,3 @@ class RotaryEmbedding:
             max_position = int(positions.max()) if positions.numel() else 0
         cs = self._table(max_position + 1, dtype).index_select(0, positions)
         return cs[:, 0:1, :], cs[:, 1:2, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x: [T, heads, head_dim]`; equals HF's `x * cos + rotate_half(x) * sin`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -32,6 +32,7 @@ from engine.runner.inputs import StepBuffers, StepInputs
 from engine.sched.output import SchedulerOutput
 from engine.sequence import PLACEHOLDER
 from kernels.interface import AttentionMetadata
+from kernels.layer_ops import select_layer_ops
 from kernels.registry import select_backend
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,11 @@ class ModelRunner:
             head_dim=info.head_dim,
             block_size=self.block_size,
         )
+        self.ops = select_layer_ops(config.fused_ops, device=self.device, dtype=info.dtype)
         self.info: ModelInfo
-        self.model, self.info = load_model(model_path, info.dtype, self.device, self.backend)
+        self.model, self.info = load_model(
+            model_path, info.dtype, self.device, self.backend, self.ops
+        )
         self.max_model_len = config.max_model_len or self.info.max_position_embeddings
         if self.max_model_len > self.info.max_position_embeddings:
             raise ValueError(

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton import attention, kv_write, split_kv
+from kernels.triton import attention, fused, kv_write, split_kv
 from kernels.triton_paged import TritonTuning, plan_launch
 
 _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -114,6 +114,41 @@ def kv_write_usage(*, dtype: str, kv_heads: int, head_dim: int, arch: int = 90) 
     return _compile(kv_write.write_kv_kernel, types, constants, name=name, arch=arch)
 
 
+def fused_usages(*, dtype: str, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                 head_dim: int, arch: int = 90) -> list[Usage]:  # fmt: skip
+    """The layer kernels of kernels.triton.fused for one model shape, launched as
+    `kernels.triton.fused` launches them."""
+    ptr = f"*{dtype}"
+    norm_block = triton.next_power_of_2(hidden)
+    norm = _compile(
+        fused.add_rms_norm_kernel,
+        dict(x=ptr, residual=ptr, weight=ptr, out=ptr, stride_x="i32", stride_r="i32",
+             stride_o="i32", eps="fp32"),
+        dict(HIDDEN=hidden, BLOCK=norm_block, HAS_RESIDUAL=True, SCALE_IN_DTYPE=dtype != "fp32"),
+        name=f"add_rms_norm {dtype} hidden={hidden}", arch=arch,
+        num_warps=fused._warps(norm_block),
+    )  # fmt: skip
+    rope_heads = heads + kv_heads
+    half = head_dim // 2
+    rope_elements = triton.next_power_of_2(rope_heads) * triton.next_power_of_2(half)
+    rope = _compile(
+        fused.rope_kernel,
+        dict(x=ptr, cos=ptr, sin=ptr, stride_xt="i32", stride_xh="i32", stride_ct="i32",
+             stride_st="i32"),
+        dict(HEADS=rope_heads, HEADS_PAD=triton.next_power_of_2(rope_heads), HALF=half,
+             HALF_PAD=triton.next_power_of_2(half)),
+        name=f"rope {dtype} heads={rope_heads} d={head_dim}", arch=arch,
+        num_warps=fused._warps(rope_elements),
+    )  # fmt: skip
+    silu = _compile(
+        fused.silu_mul_kernel,
+        dict(gate_up=ptr, out=ptr, stride_g="i32", stride_o="i32"),
+        dict(SIZE=intermediate, BLOCK=min(fused.SILU_BLOCK, triton.next_power_of_2(intermediate))),
+        name=f"silu_mul {dtype} size={intermediate}", arch=arch, num_warps=4,
+    )  # fmt: skip
+    return [norm, rope, silu]
+
+
 # (dtype, heads, kv_heads, head_dim, num_seqs, max_seqlen_q, max_seqlen_k): Llama-3-8B-like
 # decode (plain and split), verification and prefill; no GQA; a wide group; head_dim 64.
 STEPS = [
@@ -147,6 +182,11 @@ def backend_launches(arch: int = 90) -> list[Usage]:
         if plan.num_splits > 1:
             usages.append(combine_usage(dtype=dtype, head_dim=head_dim, num_splits=plan.num_splits))
     usages.append(kv_write_usage(dtype="bf16", kv_heads=8, head_dim=128, arch=arch))
+    # Llama-3.2-1B and Llama-3.1-8B shapes (kernels.layer_ops)
+    usages += fused_usages(dtype="bf16", hidden=2048, intermediate=8192, heads=32, kv_heads=8,
+                           head_dim=64, arch=arch)  # fmt: skip
+    usages += fused_usages(dtype="bf16", hidden=4096, intermediate=14336, heads=32, kv_heads=8,
+                           head_dim=128, arch=arch)  # fmt: skip
     return usages
 
 

@@ -204,6 +204,7 @@ def triton_kernel_device() -> torch.device:
     try:
         pytest.importorskip("triton", reason="triton is not installed")
         from kernels import triton_paged
+        from kernels.triton import fused  # noqa: F401 - decorated in the same mode
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)

@@ -1,4 +1,5 @@
-"""The Triton kernels compile for an H100 (sm_90) without one, and spill no registers.
+"""The Triton kernels (attention, KV write, the fused layer kernels) compile for an H100
+(sm_90) without one, and spill no registers.
 
 The interpreter runs the kernels' Python, not their compilation: this compiles the launches
 the backend makes with the ptxas the triton wheel ships. It runs in a subprocess because
@@ -40,5 +41,7 @@ def test_backend_launches_compile_for_sm90_without_spills(tmp_path: Path):
     names = [u["name"] for u in usages]
     assert any("splits=1" in n for n in names) and any("combine" in n for n in names)
     assert any("rows=64" in n for n in names) and any(n.startswith("kv_write") for n in names)
+    for layer_kernel in ("add_rms_norm", "rope", "silu_mul"):  # kernels.layer_ops
+        assert sum(n.startswith(layer_kernel) for n in names) == 2, names
     spilled = [u for u in usages if u["stack_bytes"]]
     assert not spilled, spilled

@@ -1,0 +1,163 @@
+"""A decoder layer's small element-wise stages, one kernel each instead of several.
+
+In a decode step the matmuls stream the weights; what sits between them (norms, residual
+adds, RoPE, SiLU) is a handful of tiny element-wise ops, each a kernel launch of a few
+microseconds that reads and writes a few kilobytes. Unfused, a Llama layer launches about
+twenty of them; at batch 1 on a GPU their launches add up to a large part of the step. Each
+kernel here replaces several of torch's and rounds where torch's sequence rounds, so the
+results match `kernels.layer_ops.TorchOps` to within the last bit of the model dtype:
+
+* `add_rms_norm`: `residual += x` (rounded to the model dtype, as torch's add is), then
+  HF's RMSNorm of it (float32 statistics, the normalised row rounded to the model dtype
+  before the weight scales it). One program per token row.
+* `rope_`: rotates `x: [T, heads, head_dim]` in place, the "rotate half" convention, in
+  float32 with one rounding. One program per token.
+* `silu_mul`: `silu(gate) * up` of a fused `[T, 2 * I]` gate/up projection, SiLU's output
+  rounded to the model dtype first as torch's two ops do. Programs over (token, column tile).
+
+Grids come from tensor shapes and every length is a tensor shape or a per-model constant, so
+the launches are static and live in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_rms_norm_kernel(
+    x,
+    residual,
+    weight,
+    out,
+    stride_x,
+    stride_r,
+    stride_o,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SCALE_IN_DTYPE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+        tl.store(residual + row * stride_r + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / HIDDEN + eps)
+    w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALE_IN_DTYPE:  # HF: normalise in float32, round to the model dtype, then scale
+        y = (hf * inv).to(h.dtype).to(tl.float32) * w
+    else:
+        y = hf * inv * w
+    tl.store(out + row * stride_o + cols, y.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_kernel(
+    x,
+    cos,
+    sin,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_st,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    cols = tl.arange(0, HALF_PAD)
+    mask = (heads[:, None] < HEADS) & (cols[None, :] < HALF)
+    c = tl.load(cos + token * stride_ct + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin + token * stride_st + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    first = x + token * stride_xt + heads[:, None] * stride_xh + cols[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    tl.store(first, (a * c[None, :] - b * s[None, :]).to(x1.dtype), mask=mask)
+    tl.store(first + HALF, (b * c[None, :] + a * s[None, :]).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(
+    gate_up,
+    out,
+    stride_g,
+    stride_o,
+    SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < SIZE
+    g = tl.load(gate_up + row * stride_g + cols, mask=mask, other=0.0)
+    u = tl.load(gate_up + row * stride_g + SIZE + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # torch rounds SiLU's output, then multiplies
+    tl.store(out + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
+             mask=mask)  # fmt: skip
+
+
+def _warps(elements: int) -> int:
+    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(h) * weight, h)` where `h = residual + x` (written into `residual`) or
+    `h = x` without a residual. Rows of `x`/`residual` are `[T, hidden]`, last dim contiguous."""
+    num_tokens, hidden = x.shape
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens:
+        block = triton.next_power_of_2(hidden)
+        res = residual if residual is not None else x
+        add_rms_norm_kernel[(num_tokens,)](
+            x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps,
+            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            SCALE_IN_DTYPE=x.dtype != torch.float32, num_warps=_warps(block),
+        )  # fmt: skip
+    return out, residual if residual is not None else x
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x: [T, heads, head_dim]` in place (head_dim contiguous; any token and head
+    strides, e.g. the q/k heads of a fused projection) by `cos`, `sin: [T, 1, head_dim // 2]`;
+    returns `x`."""
+    num_tokens, heads, head_dim = x.shape
+    half = head_dim // 2
+    if num_tokens:
+        rope_kernel[(num_tokens,)](
+            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+            HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            num_warps=_warps(triton.next_power_of_2(heads) * triton.next_power_of_2(half)),
+        )  # fmt: skip
+    return x
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up: [T, 2 * I]` (gate first), as a new `[T, I]` tensor."""
+    num_tokens, double = gate_up.shape
+    size = double // 2
+    out = torch.empty((num_tokens, size), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens:
+        block = min(SILU_BLOCK, triton.next_power_of_2(size))
+        silu_mul_kernel[(num_tokens, triton.cdiv(size, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), SIZE=size, BLOCK=block,
+            num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,116 @@
+"""The fused layer kernels (kernels.triton.fused through `TritonOps`) against torch's ops.
+
+Without CUDA they run on CPU tensors through Triton's interpreter, with the same import
+rules as test_triton_paged.py (see its docstring): in a whole-suite CPU run this module is
+skipped and `test_triton_interpreter.py` runs it in a fresh process. With CUDA the same tests
+run the compiled kernels, bfloat16 included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm_engine import LLMEngine
+from kernels.layer_ops import TorchOps, TritonOps, select_layer_ops
+from tests.engine.engine_fixture import greedy, make_request, prompt_ids, tiny_config
+from tests.kernels.helpers import triton_kernel_device
+
+DEVICE = triton_kernel_device()  # imports triton under the interpreter on a CPU host
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+# float32: summation order only; 16-bit: one unit in the last place of an output near 4
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def interpreter_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [96, 256])
+def test_add_rms_norm_adds_into_the_residual_and_normalises(dtype, hidden) -> None:
+    x, res, w = (
+        rand(5, hidden, dtype=dtype),
+        rand(5, hidden, dtype=dtype, seed=1),
+        rand(hidden, dtype=dtype, seed=2),
+    )
+    want_out, want_h = TorchOps().add_rms_norm(x, res, w, 1e-5)
+    residual = res.clone()
+    out, h = TritonOps().add_rms_norm(x, residual, w, 1e-5)
+    assert h.data_ptr() == residual.data_ptr()  # the sum lands in the residual, in place
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)  # one rounded add, as torch's
+    close(out, want_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_without_a_residual_leaves_its_input(dtype) -> None:
+    x, w = rand(3, 80, dtype=dtype), rand(80, dtype=dtype, seed=2)
+    before = x.clone()
+    out, h = TritonOps().add_rms_norm(x, None, w, 1e-6)
+    assert h is x and torch.equal(x, before)
+    close(out, TorchOps().add_rms_norm(x, None, w, 1e-6)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_the_q_and_k_heads_of_a_fused_projection_in_place(dtype) -> None:
+    nq, nkv, head_dim = 6, 2, 32
+    qkv = rand(7, nq + 2 * nkv, head_dim, dtype=dtype)
+    cs = rand(7, 2, head_dim // 2, dtype=dtype, seed=3)
+    cos, sin = cs[:, 0:1], cs[:, 1:2]
+    want = TorchOps().rope(qkv[:, : nq + nkv], cos, sin)
+    v_before = qkv[:, nq + nkv :].clone()
+    got = TritonOps().rope(qkv[:, : nq + nkv], cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()
+    close(qkv[:, : nq + nkv], want, dtype)
+    assert torch.equal(qkv[:, nq + nkv :], v_before)  # v's heads untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [64, 1500])  # one column tile; two, the second part-masked
+def test_silu_mul(dtype, size) -> None:
+    gate_up = rand(4, 2 * size, dtype=dtype) * 3
+    close(TritonOps().silu_mul(gate_up), TorchOps().silu_mul(gate_up), dtype)
+
+
+def test_no_tokens() -> None:
+    ops = TritonOps()
+    empty = torch.empty(0, 64, device=DEVICE)
+    out, h = ops.add_rms_norm(empty, empty.clone(), torch.ones(64, device=DEVICE), 1e-6)
+    assert out.shape == (0, 64) and h.shape == (0, 64)
+    assert ops.rope(torch.empty(0, 4, 16, device=DEVICE), empty[:, :8], empty[:, :8]).numel() == 0
+    assert ops.silu_mul(empty).shape == (0, 32)
+
+
+def test_selected_where_the_kernels_run_and_passes_the_smoke_check() -> None:
+    assert isinstance(select_layer_ops(None, device=DEVICE, dtype=torch.float32), TritonOps)
+
+
+def test_an_engine_on_fused_ops_generates_what_torchs_ops_do() -> None:
+    """The whole model, prefill chunks and decodes, greedy over 24 tokens (float32)."""
+
+    def run(fused: bool) -> dict[str, list[int]]:
+        engine = LLMEngine(
+            tiny_config(device=DEVICE.type, fused_ops=fused, attention_backend="torch_ref")
+        )
+        assert isinstance(engine.runner.model.ops, TritonOps if fused else TorchOps)
+        for i, n in enumerate((5, 19, 40)):
+            engine.add_request(make_request(f"r{i}", prompt_ids(i, n), greedy(24)))
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for d in engine.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+        return out
+
+    assert run(True) == run(False)

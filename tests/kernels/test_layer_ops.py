@@ -1,0 +1,44 @@
+"""Choosing the layer ops (kernels.layer_ops) on a host where the fused kernels cannot run;
+test_fused_ops.py runs the kernels themselves."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernels.layer_ops import TorchOps, select_layer_ops, smoke_check
+
+CPU = torch.device("cpu")
+
+
+def test_the_cpu_gets_torchs_ops_and_the_log_says_why(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="firstlight.kernels"):
+        ops = select_layer_ops(None, device=CPU, dtype=torch.float32)
+    assert isinstance(ops, TorchOps)
+    assert "fused kernels skipped" in caplog.text
+
+
+def test_asking_for_fused_ops_where_they_cannot_run_is_an_error() -> None:
+    with pytest.raises(ValueError, match="fused layer ops cannot run on device=cpu"):
+        select_layer_ops(True, device=CPU, dtype=torch.float32)
+
+
+def test_fused_off_by_config() -> None:
+    assert isinstance(select_layer_ops(False, device=CPU, dtype=torch.float32), TorchOps)
+
+
+def test_the_smoke_check_names_the_stage_that_disagrees_or_fails() -> None:
+    assert smoke_check(TorchOps(), CPU, torch.float32) is None
+
+    class Scaled(TorchOps):
+        def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+            return super().silu_mul(gate_up) * 1.01
+
+    class Raises(TorchOps):
+        def rope(self, x, cos, sin):
+            raise RuntimeError("no kernel image is available")
+
+    assert (smoke_check(Scaled(), CPU, torch.float32) or "").startswith("silu_mul differs")
+    assert smoke_check(Raises(), CPU, torch.float32) == "RuntimeError: no kernel image is available"
