@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -141,11 +142,13 @@ class LLMEngine:
         self.async_scheduling = overlap and self.spec is None
         self.ahead: StepsAhead | None = None
         if self.async_scheduling:
+            constrained = weakref.WeakMethod(self._constrained)  # no cycle: GPU memory is
+            # freed when the engine is dropped, not at the next garbage collection
             self.ahead = StepsAhead(
                 self.scheduler,
                 self.sampler,
                 self.max_model_len,
-                self._constrained,
+                lambda request_id: bool((m := constrained()) and m(request_id)),
                 device=self.runner.device,
                 max_num_seqs=config.scheduler.max_num_seqs,
             )

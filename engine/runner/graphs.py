@@ -150,9 +150,11 @@ class DecodeGraphs:
     def _capture(self, bs: int, bound: int, pool: _POOL_HANDLE | None) -> DecodeGraph:
         meta = self.backend.prepare_for_capture(bs, bound)
         input_ids, positions = self.buffers.device_inputs(bs)
+        model, kv_caches = self.model, self.kv_caches  # not `self`: no reference cycle keeps
+        # the graphs, and with them the KV cache, alive after the engine is dropped
 
         def forward() -> torch.Tensor:
-            return self.model(input_ids, positions, self.kv_caches, meta)
+            return model(input_ids, positions, kv_caches, meta)
 
         if not self.capture:
             return DecodeGraph(bs, bound, meta, forward, None, None)

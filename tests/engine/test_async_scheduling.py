@@ -9,8 +9,10 @@ synchronous engine's.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
+import weakref
 
 import pytest
 import torch
@@ -200,6 +202,21 @@ def test_exactly_n_tokens_with_ignore_eos_goes_ahead() -> None:
     sync, ahead = engines()
     assert summary(run_all(ahead, requests())) == summary(run_all(sync, requests()))
     assert ahead.counters.launched_steps == ahead.counters.steps > 0
+
+
+def test_a_dropped_engine_is_freed_at_once() -> None:
+    """No reference cycle holds an engine that goes ahead: its KV cache (on a GPU, most of
+    the device's memory) is freed when the last reference goes, not at some later garbage
+    collection, so the next engine in the process can have the memory."""
+    engine = LLMEngine(tiny_config(async_scheduling=True))
+    run_all(engine, [make_request("a", prompt_ids(1, 10), greedy(5))])
+    cache = weakref.ref(engine.runner.kv_caches[0][0])
+    gc.disable()
+    try:
+        del engine
+        assert cache() is None
+    finally:
+        gc.enable()
 
 
 def test_a_step_returns_the_previous_launched_steps_tokens() -> None:
