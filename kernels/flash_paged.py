@@ -37,6 +37,11 @@ from kernels.graph_metadata import StaticDecodeMetadata
 from kernels.interface import AttentionMetadata, BackendState, KVCache
 from kernels.registry import register_backend
 
+try:  # the K/V write that honours a graph bucket's padding slots (-1)
+    from kernels.triton import kv_write as triton_kv_write
+except ImportError:
+    triton_kv_write = None  # type: ignore[assignment]
+
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
@@ -131,6 +136,8 @@ class FlashPagedBackend(StaticDecodeMetadata[FlashState]):
             return f"dtype {dtype} is not float16 or bfloat16"
         if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
             return f"head_dim {head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
+        if triton_kv_write is None:
+            return "triton is not importable (the K/V write of captured decode steps needs it)"
         build = find_build()
         if isinstance(build, str):
             return build
@@ -138,6 +145,18 @@ class FlashPagedBackend(StaticDecodeMetadata[FlashState]):
             return f"{build.module} pages KV by {build.page_multiple} tokens, not {block_size}"
         index = device.index if device.index is not None else torch.cuda.current_device()
         return smoke_check(index, dtype, head_dim, block_size)
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> None:
+        """On CUDA, the Triton write, which skips a graph bucket's padding rows (slot -1):
+        the default `index_copy_` would take -1 as an out-of-range index, a device-side
+        assert that ends the CUDA context. (On the CPU, where the adapter's tests run a
+        stand-in build, the default.)"""
+        if k.is_cuda and triton_kv_write is not None:
+            triton_kv_write.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        else:
+            super().write_kv(k, v, kv_cache, meta)
 
     def build_state(self, meta: AttentionMetadata) -> FlashState:
         if self.build.seqused_k:
