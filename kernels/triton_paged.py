@@ -16,11 +16,11 @@ The launch, decided once per step and attention shape (`plan_launch`):
 * split-KV (flash decoding) when every sequence's queries fit in one query tile (decodes and
   short verifications) and the step has fewer (sequence, kv head) programs than
   `target_programs` (default twice the device's SM count): the keys are split in
-  `min(max_splits, target_programs // programs, max_seqlen_k // split_min_keys)` runs (the
-  longest sequence's splits get `split_min_keys` keys or more; a shorter one's runs are
-  shorter, some empty); one split means the plain launch. Any split count is correct for any
-  lengths (each program splits its own keys), so a CUDA graph may freeze the count it was
-  captured with; only speed depends on it.
+  `min(max_splits, target_programs // programs, max_seqlen_k // split_min_keys)` runs,
+  rounded down to a power of two (the longest sequence's splits get `split_min_keys` keys or
+  more; a shorter one's runs are shorter, some empty); one split means the plain launch.
+  Any split count is correct for any lengths (each program splits its own keys), so a CUDA
+  graph may freeze the count it was captured with; only speed depends on it.
 
 Where it runs: CUDA (compute capability 8.0+), float16 / bfloat16 / float32 (float32 dots in
 IEEE precision, not TF32), head_dim a multiple of 16 up to 128, any block size. On CPU only
@@ -107,7 +107,10 @@ def plan_launch(
         splits = min(
             tuning.max_splits, target_programs // programs, max_seqlen_k // tuning.split_min_keys
         )
-    return LaunchPlan(block_m, block_q, max(splits, 1), warps)
+    # a power of two: the count is a kernel constant, so each distinct one is a compile (up
+    # to a second on the first step that needs it); five, not sixteen, can occur
+    splits = 1 << (max(splits, 1).bit_length() - 1)
+    return LaunchPlan(block_m, block_q, splits, warps)
 
 
 @functools.cache

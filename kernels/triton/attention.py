@@ -108,7 +108,10 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+# The step's sequence count and block-table width change from step to step: left
+# unspecialised (Triton compiles a variant for ints equal to 1 and for multiples of 16),
+# they cost no compile in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_row"])
 def paged_attention_kernel(
     q,
     k_cache,

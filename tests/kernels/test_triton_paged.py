@@ -153,6 +153,15 @@ def test_split_rule():
     # a group wider than the default 16 rows widens the decode tile
     wide = {**h100, "num_heads": 64, "kv_heads": 2}
     assert plan_launch(num_seqs=64, max_seqlen_q=1, max_seqlen_k=10, **wide).block_m == 32
+    # 3 decodes: 264 // 24 = 11 splits by programs, 4096 // 512 = 8 by keys; 5 kB: 10 -> 8;
+    # every count a power of two (each distinct count is a compile)
+    assert plan_launch(num_seqs=3, max_seqlen_q=1, max_seqlen_k=5120, **h100).num_splits == 8
+    counts = {
+        plan_launch(num_seqs=n, max_seqlen_q=1, max_seqlen_k=k, **h100).num_splits
+        for n in range(1, 40)
+        for k in range(1, 20000, 97)
+    }
+    assert counts == {1, 2, 4, 8, 16}
 
 
 def test_backend_splits_small_long_decode_batches_by_itself():
