@@ -27,8 +27,11 @@ import torch
 from engine.config import EngineConfig
 from engine.device import CPU_KV_CACHE_BYTES, kv_budget_bytes, placed
 from engine.models.loader import ModelInfo, load_model, read_model_info
+from engine.request import SamplingParams
 from engine.runner.graphs import DecodeGraphs
 from engine.runner.inputs import StepBuffers, StepInputs
+from engine.sample.filters import draw
+from engine.sample.filters import weights as sample_weights
 from engine.sched.output import SchedulerOutput
 from engine.sequence import PLACEHOLDER
 from kernels.interface import AttentionMetadata
@@ -101,28 +104,53 @@ class ModelRunner:
             for _ in range(self.info.num_layers)
         ]
 
+    def _largest_step(self) -> tuple[StepInputs, int]:
+        """The step that profiles the activations' peak, and the KV blocks it writes: the
+        full token budget, in sequences of at most `max_model_len - 1` tokens (at most
+        `max_num_seqs` of them), with a full batch of logits rows."""
+        step_tokens = self.config.scheduler.max_num_batched_tokens
+        longest = max(1, min(step_tokens, self.max_model_len - 1))
+        lengths = [longest] * (step_tokens // longest)
+        lengths += [step_tokens % longest] if step_tokens % longest else []
+        lengths = lengths[: self.config.scheduler.max_num_seqs]
+        bs = self.block_size
+        step = StepInputs([], [], [], [0], [], [], [])
+        num_blocks = 0
+        for n in lengths:
+            blocks = list(range(num_blocks, num_blocks + -(-(n + 1) // bs)))
+            num_blocks += len(blocks)
+            step.input_ids.extend([0] * n)
+            step.positions.extend(range(n))
+            step.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(n))
+            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + n)
+            step.seq_lens_k.append(n)
+            step.block_tables.append(blocks)
+        num_tokens = step.cu_seqlens_q[-1]
+        rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        step.sample_rows.extend(range(num_tokens - rows, num_tokens))
+        return step, num_blocks
+
+    def _profile_run(self, step: StepInputs) -> torch.Tensor:
+        """The step's forward, then a top-k/top-p/min-p draw for each of its logits rows."""
+        logits = self._run(step)
+        rows = logits.shape[0]
+        sampled = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01)
+        u = torch.rand(rows, 1, device=self.device)
+        return draw(sample_weights(logits, [sampled] * rows), u)
+
     def _blocks_from_free_memory(self) -> int:
         """On CUDA with no size given: the blocks `gpu_memory_utilization` of the device
-        leaves, after one profiling prefill of a full step budget (`max_num_batched_tokens`
-        tokens, on a scratch pool just large enough) measures the activations' peak."""
-        tokens = self.config.scheduler.max_num_batched_tokens
-        tokens = max(1, min(tokens, self.max_model_len - 1))
-        bs = self.block_size
-        scratch_blocks = -(-(tokens + 1) // bs)
+        leaves after the largest step's peak, measured on a scratch pool just large enough:
+        a prefill of the full step budget (`max_num_batched_tokens` tokens, in sequences of
+        at most `max_model_len - 1`), then a top-k/top-p/min-p draw over the logits of a full
+        batch (`max_num_seqs` rows: the sampler's sort and masks are the step's other peak)."""
+        step, num_blocks = self._largest_step()
         torch.cuda.synchronize(self.device)
         weights = torch.cuda.memory_allocated(self.device)
-        self.kv_caches = self._allocate_kv(scratch_blocks)
+        self.kv_caches = self._allocate_kv(num_blocks)
         scratch = torch.cuda.memory_allocated(self.device) - weights
         torch.cuda.reset_peak_memory_stats(self.device)
-        blocks = list(range(scratch_blocks))
-        rows = min(tokens, self.config.scheduler.max_num_seqs)  # logits of a full batch too
-        positions = list(range(tokens))
-        self._run(
-            StepInputs(
-                [0] * tokens, positions, positions, [0, tokens], [tokens], [blocks],
-                positions[tokens - rows :],
-            )
-        )  # fmt: skip
+        self._profile_run(step)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - weights - scratch
         del self.kv_caches

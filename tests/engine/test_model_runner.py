@@ -171,3 +171,27 @@ def test_cache_sizing_and_context_length(checkpoints):
         ModelRunner(dataclasses.replace(config, max_model_len=1000), str(path))
     with pytest.raises(ValueError, match="holds no block"):
         ModelRunner(dataclasses.replace(config, cache=CacheConfig(kv_cache_bytes=10)), str(path))
+
+
+def test_the_memory_profile_step_is_the_full_budget_in_several_sequences(checkpoints):
+    """The step `_blocks_from_free_memory` measures (on CUDA) runs here: the whole token
+    budget, in sequences no longer than the context allows, with a full batch of logits."""
+    path = checkpoints["llama3"][1]
+    config = EngineConfig(
+        model=str(path), max_model_len=100, cache=CacheConfig(kv_cache_bytes=1 << 20)
+    )
+    config = dataclasses.replace(
+        config,
+        scheduler=dataclasses.replace(
+            config.scheduler, max_num_batched_tokens=250, max_num_seqs=40
+        ),
+    )
+    runner = ModelRunner(config, str(path))
+    step, num_blocks = runner._largest_step()
+    assert step.cu_seqlens_q == [0, 99, 198, 250]
+    assert step.seq_lens_k == [99, 99, 52] and len(step.sample_rows) == 40
+    assert num_blocks == 7 + 7 + 4  # each sequence's blocks, one position to spare
+    assert sorted(step.slot_mapping) == sorted(set(step.slot_mapping))  # no slot twice
+    runner.kv_caches = runner._allocate_kv(num_blocks)
+    tokens = runner._profile_run(step)  # the forward, then a sampled draw for each row
+    assert tokens.shape == (40,) and bool(((tokens >= 0) & (tokens < runner.info.vocab_size)).all())
