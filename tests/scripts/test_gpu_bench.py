@@ -22,6 +22,13 @@ def test_the_gpu_bench_runs_end_to_end_on_a_tiny_shape():
     for key in ("mbu_8b_bs1", "tpot_1b_bs1_speedup_vs_hf", "throughput_8b_bs64_ratio_vs_hf",
                 "prefill_mfu_8b_2k", "copy_tb_per_s", "matmul_tflop_per_s"):  # fmt: skip
         assert result[key] > 0, key
-    ours = result["shapes"]["8b"]["ours"]
-    assert ours["kv_blocks"] > 0 and ours["backend"] == "cpu_paged"
+    shape = result["shapes"]["8b"]
+    ours = shape["ours"]
+    assert ours["kv_blocks"] > 0 and ours["backend"] == "cpu_paged" and ours["layer_ops"] == "torch"
+    # the tiny shape is untied: a decode step reads all but its input embedding
+    assert 0 < shape["decode_read_gb"] < shape["weights_gb"]
+    assert result["floor_8b_all_weights_ms"] > result["floor_8b_ms"] > 0
+    # exactly-n requests (min_tokens, ignore_eos) keep the fast paths; on the CPU nothing
+    # launches ahead (async scheduling is off there)
+    assert ours["launched_steps"] == 0 and ours["steps"] > 0
     assert result["gpu"] == "cpu (--tiny)"
