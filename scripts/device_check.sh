@@ -43,9 +43,11 @@ fi
 summary=()
 
 run_tests() {
-  # not `-m gpu`: test_decode_graphs.py is unmarked (on a CPU it runs under the interpreter)
+  # not `-m gpu`: test_decode_graphs.py and test_fused_ops.py are unmarked (on a CPU they run
+  # under the interpreter)
   timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
-    tests/engine/test_decode_graphs.py 2>&1 | tee "$OUT/tests.log" | tail -25
+    tests/engine/test_decode_graphs.py tests/kernels/test_fused_ops.py 2>&1 \
+    | tee "$OUT/tests.log" | tail -25
   summary+=("tests: $(grep -E '[0-9]+ (passed|failed|skipped)' "$OUT/tests.log" | tail -1)")
 }
 
@@ -68,7 +70,7 @@ run_serve() {
   for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL -- -"$pid" 2>/dev/null
   ray stop --force >/dev/null 2>&1
-  grep -E "attention backend|decode graphs" "$OUT/serve.log" | head -4
+  grep -E "attention backend|layer ops|decode graphs" "$OUT/serve.log" | head -5
   timeout 270 "$PY" bench/overhead.py --config "$CONFIG" --ttft-requests 30 --itl-rounds 5 \
     2>"$OUT/overhead.err" | tee "$OUT/overhead.json" | tail -1
   summary+=("bench/overhead.py ($CONFIG): $(tail -1 "$OUT/overhead.json")")
