@@ -5,13 +5,16 @@ adds, RoPE, SiLU) is a handful of tiny element-wise ops, each a kernel launch of
 microseconds that reads and writes a few kilobytes. Unfused, a Llama layer launches about
 twenty of them; at batch 1 on a GPU their launches add up to a large part of the step. Each
 kernel here replaces several of torch's and rounds where torch's sequence rounds, so the
-results match `kernels.layer_ops.TorchOps` to within the last bit of the model dtype:
+results match `kernels.layer_ops.TorchOps` bit for bit in 16-bit dtypes, except for
+the norm's float32 sum of squares (summed in another order: rarely, one unit in the last
+place):
 
 * `add_rms_norm`: `residual += x` (rounded to the model dtype, as torch's add is), then
   HF's RMSNorm of it (float32 statistics, the normalised row rounded to the model dtype
   before the weight scales it). One program per token row.
-* `rope_`: rotates `x: [T, heads, head_dim]` in place, the "rotate half" convention, in
-  float32 with one rounding. One program per token.
+* `rope_`: rotates `x: [T, heads, head_dim]` in place, the "rotate half" convention, each
+  product and sum rounded to the model dtype as torch's ops round them. One program per
+  token.
 * `silu_mul`: `silu(gate) * up` of a fused `[T, 2 * I]` gate/up projection, SiLU's output
   rounded to the model dtype first as torch's two ops do. Programs over (token, column tile).
 
@@ -84,8 +87,15 @@ def rope_kernel(
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
-    tl.store(first, (a * c[None, :] - b * s[None, :]).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (b * c[None, :] + a * s[None, :]).to(x1.dtype), mask=mask)
+    dt = x1.dtype
+    # torch rounds each product to the model dtype, then their sum: so do we (a product of
+    # two 16-bit values is exact in float32, and the casts keep it from fusing into an FMA)
+    ac = (a * c[None, :]).to(dt).to(tl.float32)
+    bs = (b * s[None, :]).to(dt).to(tl.float32)
+    bc = (b * c[None, :]).to(dt).to(tl.float32)
+    as_ = (a * s[None, :]).to(dt).to(tl.float32)
+    tl.store(first, (ac - bs).to(dt), mask=mask)
+    tl.store(first + HALF, (bc + as_).to(dt), mask=mask)
 
 
 @triton.jit
@@ -118,6 +128,9 @@ def add_rms_norm(
     """`(rms_norm(h) * weight, h)` where `h = residual + x` (written into `residual`) or
     `h = x` without a residual. Rows of `x`/`residual` are `[T, hidden]`, last dim contiguous."""
     num_tokens, hidden = x.shape
+    assert x.stride(-1) == 1 and weight.shape == (hidden,), (x.stride(), weight.shape)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
@@ -136,6 +149,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     returns `x`."""
     num_tokens, heads, head_dim = x.shape
     half = head_dim // 2
+    assert x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    assert cos.shape[-1] == sin.shape[-1] == half and cos.shape[0] == sin.shape[0] == num_tokens
     if num_tokens:
         rope_kernel[(num_tokens,)](
             x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
@@ -153,6 +168,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for `gate_up: [T, 2 * I]` (gate first), as a new `[T, I]` tensor."""
     num_tokens, double = gate_up.shape
     size = double // 2
+    assert gate_up.stride(-1) == 1 and double % 2 == 0, (gate_up.stride(), gate_up.shape)
     out = torch.empty((num_tokens, size), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = min(SILU_BLOCK, triton.next_power_of_2(size))
