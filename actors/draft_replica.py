@@ -45,6 +45,7 @@ class DraftReplica:
             device=config.engine.device,
             block_size=config.engine.cache.block_size,
             seed=config.engine.seed,
+            fused_ops=config.engine.fused_ops,
         )
         self.service = DraftService(draft)
         self._pending: list[tuple[int, ProposeCall, asyncio.Future]] = []

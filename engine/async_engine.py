@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.device import bind_thread
 from engine.errors import InvalidRequest
 from engine.idle_runner import IdleRunner
 from engine.llm_engine import LLMEngine
@@ -350,6 +351,7 @@ class AsyncEngine:
     def _thread_main(self) -> None:
         loop = self._loop
         assert loop is not None
+        bind_thread(self.engine.runner.device)
         idle_steps = 0
         posted = (ClassCounts(), ClassCounts())  # the queue sizes last posted to the loop
         try:

@@ -60,3 +60,11 @@ def kv_budget_bytes(
     is free less those activations. Never negative."""
     share = int(total * utilization) - weights - peak_activations
     return max(0, min(share, free - peak_activations))
+
+
+def bind_thread(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing on the CPU). CUDA's
+    current device is per thread and starts at 0; Triton launches on it and events record on
+    its stream, so every thread that runs an engine on `cuda:N` calls this first."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

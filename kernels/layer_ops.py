@@ -10,25 +10,42 @@ model (engine/models/llama.py) calls them through a `LayerOps`:
 * `TorchOps` runs HF Llama's own ops in HF's order: the reference, and the only choice
   where Triton cannot run.
 * `TritonOps` runs one kernel per stage (kernels.triton.fused), about four launches a layer
-  where torch takes about twenty. It rounds where torch rounds, so the outputs agree to the
-  last bit of the model dtype (RoPE rounds once instead of three times, in float32).
+  where torch takes about twenty. It rounds where torch rounds, so in 16-bit dtypes the
+  outputs agree bit for bit, but for the norm's float32 sum of squares, summed in another
+  order (see that module).
 
-`select_layer_ops(fused, device=..., dtype=...)` picks: False, torch; True, Triton or a
-ValueError saying why not; None (the default), Triton where it runs (CUDA, compute
-capability 8.0+) and passes a smoke check against `TorchOps` on the device, else torch. It
-logs its choice and the reason.
+`select_layer_ops(fused, device=..., dtype=..., shape=...)` picks: False, torch; True,
+Triton or a ValueError saying why not; None (the default), Triton where it runs and passes a
+smoke check against `TorchOps` on the device at the model's own sizes, else torch. It logs
+its choice and the reason. "Where it runs" is CUDA (compute capability 8.0+), and the CPU
+only inside a process that imported triton under `TRITON_INTERPRET=1` and still has it set
+(tests), as for the Triton attention backend.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger("firstlight.kernels")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerShape:
+    """A model's sizes that the layer ops run at (the smoke check tries these)."""
+
+    hidden: int
+    rotary_heads: int  # q and k heads, rotated together
+    head_dim: int
+    intermediate: int
+
+
+TOY_SHAPE = LayerShape(hidden=96, rotary_heads=5, head_dim=32, intermediate=80)
 
 
 class LayerOps(ABC):
@@ -129,26 +146,30 @@ def triton_ops_why_not(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def smoke_check(ops: LayerOps, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Run each of `ops`' stages on small random inputs and compare with `TorchOps`; the
+def smoke_check(
+    ops: LayerOps, device: torch.device, dtype: torch.dtype, shape: LayerShape = TOY_SHAPE
+) -> str | None:
+    """Run each of `ops`' stages on three tokens of random inputs at `shape` (the model's
+    sizes: those are the kernel variants it will launch) and compare with `TorchOps`; the
     first disagreement or error, or None."""
     reference = TorchOps()
     g = torch.Generator().manual_seed(0)
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=g).to(device=device, dtype=dtype)
 
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    x, res, w = rand(3, 96), rand(3, 96), rand(96)
-    qkv = rand(3, 7, 32)  # q and k heads rotate as a strided view of a fused projection
-    cos, sin = rand(3, 1, 16), rand(3, 1, 16)
-    gate_up = rand(3, 2 * 80)
+    hidden, heads, head_dim = shape.hidden, shape.rotary_heads, shape.head_dim
+    x, res, w = rand(3, hidden), rand(3, hidden), rand(hidden)
+    qkv = rand(3, heads + 2, head_dim)  # q and k rotate as a strided view of a fused projection
+    cos, sin = rand(3, 1, head_dim // 2), rand(3, 1, head_dim // 2)
+    gate_up = rand(3, 2 * shape.intermediate)
 
     def stages(o: LayerOps) -> dict[str, torch.Tensor]:
         outs = {
             "add_rms_norm": o.add_rms_norm(x.clone(), res.clone(), w, 1e-6),
             "rms_norm": o.add_rms_norm(x.clone(), None, w, 1e-6),
-            "rope": (o.rope(qkv.clone()[:, :5], cos, sin),),
+            "rope": (o.rope(qkv.clone()[:, :heads], cos, sin),),
             "silu_mul": (o.silu_mul(gate_up),),
         }
         return {k: torch.cat([t.float().flatten() for t in v]) for k, v in outs.items()}
@@ -163,9 +184,16 @@ def smoke_check(ops: LayerOps, device: torch.device, dtype: torch.dtype) -> str 
     return None
 
 
-def select_layer_ops(fused: bool | None, *, device: torch.device, dtype: torch.dtype) -> LayerOps:
-    """The ops a model on `device` in `dtype` runs its element-wise stages with (see the
-    module docstring); raises ValueError when `fused` is True and the kernels cannot run."""
+def select_layer_ops(
+    fused: bool | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: LayerShape = TOY_SHAPE,
+) -> LayerOps:
+    """The ops a model of `shape` on `device` in `dtype` runs its element-wise stages with
+    (see the module docstring); raises ValueError when `fused` is True and the kernels
+    cannot run."""
     where = f"device={device}, dtype={dtype}"
     if fused is False:
         log.info("layer ops torch chosen by config for %s", where)
@@ -174,7 +202,7 @@ def select_layer_ops(fused: bool | None, *, device: torch.device, dtype: torch.d
     ops: LayerOps | None = None
     if reason is None:
         ops = TritonOps()
-        reason = smoke_check(ops, device, dtype)
+        reason = smoke_check(ops, device, dtype, shape)
     if reason is None and ops is not None:
         log.info("layer ops triton (fused kernels) chosen for %s", where)
         return ops

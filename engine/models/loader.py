@@ -20,7 +20,7 @@ from safetensors import safe_open
 from engine.models.llama import LlamaForCausalLM
 from engine.models.spec import ModelSpec
 from kernels.interface import AttentionBackend
-from kernels.layer_ops import LayerOps
+from kernels.layer_ops import LayerShape, select_layer_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,15 +82,24 @@ def load_model(
     dtype: str | torch.dtype,
     device: str | torch.device,
     backend: AttentionBackend,
-    ops: LayerOps | None = None,
+    fused_ops: bool | None = False,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
-    """An eval-mode model with every weight loaded, on `device` in `dtype`, and its info;
-    `ops` runs its element-wise stages (kernels.layer_ops; None: torch's)."""
+    """An eval-mode model with every weight loaded, on `device` in `dtype`, and its info.
+    `fused_ops` chooses how it runs its element-wise stages (`kernels.layer_ops.
+    select_layer_ops`: False, torch's ops; None, fused kernels where they run and pass)."""
     path = Path(path)
     info = read_model_info(path, dtype)
     device = torch.device(device)
+    spec = read_spec(path)
+    shape = LayerShape(
+        hidden=spec.hidden_size,
+        rotary_heads=spec.num_heads + spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        intermediate=spec.intermediate_size,
+    )
+    ops = select_layer_ops(fused_ops, device=device, dtype=info.dtype, shape=shape)
     with torch.device("meta"):
-        model = LlamaForCausalLM(read_spec(path), backend, device, ops)
+        model = LlamaForCausalLM(spec, backend, device, ops)
     model = model.to(dtype=info.dtype).to_empty(device=device)
     with torch.no_grad():
         model.load_weights(iter_safetensors(path))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from engine.config import EngineConfig
-from engine.device import CPU_KV_CACHE_BYTES, kv_budget_bytes, placed
+from engine.device import CPU_KV_CACHE_BYTES, bind_thread, kv_budget_bytes, placed
 from engine.models.loader import ModelInfo, load_model, read_model_info
 from engine.request import SamplingParams
 from engine.runner.graphs import DecodeGraphs
@@ -35,7 +35,6 @@ from engine.sample.filters import weights as sample_weights
 from engine.sched.output import SchedulerOutput
 from engine.sequence import PLACEHOLDER
 from kernels.interface import AttentionMetadata
-from kernels.layer_ops import select_layer_ops
 from kernels.registry import select_backend
 
 logger = logging.getLogger(__name__)
@@ -49,6 +48,7 @@ class ModelRunner:
         config = placed(config)
         self.config = config
         self.device = torch.device(config.device)
+        bind_thread(self.device)
         info = read_model_info(model_path, config.dtype)
         self.block_size = config.cache.block_size
         self.backend = select_backend(
@@ -58,11 +58,11 @@ class ModelRunner:
             head_dim=info.head_dim,
             block_size=self.block_size,
         )
-        self.ops = select_layer_ops(config.fused_ops, device=self.device, dtype=info.dtype)
         self.info: ModelInfo
         self.model, self.info = load_model(
-            model_path, info.dtype, self.device, self.backend, self.ops
+            model_path, info.dtype, self.device, self.backend, config.fused_ops
         )
+        self.ops = self.model.ops
         self.max_model_len = config.max_model_len or self.info.max_position_embeddings
         if self.max_model_len > self.info.max_position_embeddings:
             raise ValueError(
@@ -107,7 +107,8 @@ class ModelRunner:
     def _largest_step(self) -> tuple[StepInputs, int]:
         """The step that profiles the activations' peak, and the KV blocks it writes: the
         full token budget, in sequences of at most `max_model_len - 1` tokens (at most
-        `max_num_seqs` of them), with a full batch of logits rows."""
+        `max_num_seqs` of them), with a full batch of logits rows (each sequence's drafts
+        too, when the engine speculates)."""
         step_tokens = self.config.scheduler.max_num_batched_tokens
         longest = max(1, min(step_tokens, self.max_model_len - 1))
         lengths = [longest] * (step_tokens // longest)
@@ -126,7 +127,9 @@ class ModelRunner:
             step.seq_lens_k.append(n)
             step.block_tables.append(blocks)
         num_tokens = step.cu_seqlens_q[-1]
-        rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        spec = self.config.speculative
+        per_seq = 1 + (spec.max_num_tokens if spec.method != "off" else 0)  # drafts verified
+        rows = min(num_tokens, self.config.scheduler.max_num_seqs * per_seq)
         step.sample_rows.extend(range(num_tokens - rows, num_tokens))
         return step, num_blocks
 
@@ -207,6 +210,7 @@ class ModelRunner:
     def warmup(self) -> None:
         """One prefill and one decode step on the first blocks of the pool, which no request
         holds yet (so their contents don't matter), so first requests skip one-time costs."""
+        bind_thread(self.device)  # callers may run this on a worker thread
         bs = self.block_size
         n = max(1, min(8, self.num_blocks * bs - 1))  # prompt length; decode at position n
         blocks = list(range(min(self.num_blocks, n // bs + 1)))

@@ -24,6 +24,7 @@ def build_proposer(config: EngineConfig, resolve_model: ModelResolver, vocab_siz
             device=config.device,
             block_size=config.cache.block_size,
             seed=config.seed,
+            fused_ops=config.fused_ops,
         )
         if draft.vocab_size != vocab_size:
             raise ValueError(

@@ -66,15 +66,18 @@ class DraftModel:
         seed: int = 0,
         max_batched_tokens: int = 4096,
         max_seqs: int = 256,
+        fused_ops: bool | None = None,
     ) -> None:
         """`max_batched_tokens`: one forward's most tokens (a longer catch-up is split);
-        `max_seqs`: one forward's most sequences (queries past it get no drafts)."""
+        `max_seqs`: one forward's most sequences (queries past it get no drafts);
+        `fused_ops`: as the target's (`EngineConfig.fused_ops`)."""
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
         config = EngineConfig(
             model=str(model_path),
             dtype=dtype,
             device=device,
+            fused_ops=fused_ops,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_bytes=kv_cache_bytes,

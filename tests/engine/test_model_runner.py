@@ -195,3 +195,7 @@ def test_the_memory_profile_step_is_the_full_budget_in_several_sequences(checkpo
     runner.kv_caches = runner._allocate_kv(num_blocks)
     tokens = runner._profile_run(step)  # the forward, then a sampled draw for each row
     assert tokens.shape == (40,) and bool(((tokens >= 0) & (tokens < runner.info.vocab_size)).all())
+    # speculating: each sequence's drafts are verified rows too (40 x 5 of 250 tokens)
+    spec = dataclasses.replace(config.speculative, method="prompt_lookup", max_num_tokens=4)
+    runner = ModelRunner(dataclasses.replace(config, speculative=spec), str(path))
+    assert len(runner._largest_step()[0].sample_rows) == 200

@@ -13,6 +13,12 @@ from kernels.layer_ops import TorchOps, select_layer_ops, smoke_check
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def no_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under TRITON_INTERPRET=1 the CPU may run the kernels (test_fused_ops.py's case)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 def test_the_cpu_gets_torchs_ops_and_the_log_says_why(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="firstlight.kernels"):
         ops = select_layer_ops(None, device=CPU, dtype=torch.float32)
