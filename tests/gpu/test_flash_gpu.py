@@ -79,3 +79,26 @@ def test_a_captured_decode_step_replays_with_new_lengths(flash_backend, num_seqs
     )  # fmt: skip
     want = ref.attend(step.q, kv, ref_meta, ref.prepare(ref_meta), scale=HEAD_DIM**-0.5)
     torch.testing.assert_close(out[:num_seqs], want, **BF16_TOL)
+
+
+def test_padding_slots_write_nothing(flash_backend):
+    """A graph bucket's padding rows carry slot -1: the K/V write skips them (a plain
+    `index_copy_` would take -1 as a device-side assert, which ends the CUDA context)."""
+    step = make_step(decodes(4, 200, 600, seed=5))
+    backend = flash_backend()
+    slots = step.meta.slot_mapping.clone()
+    padded = slots.clone()
+    padded[2] = -1
+    meta = AttentionMetadata(
+        step.meta.cu_seqlens_q, step.meta.seq_lens_k, step.meta.block_table, padded,
+        1, step.meta.max_seqlen_k, BLOCK,
+    )  # fmt: skip
+    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
+    backend.write_kv(step.k_new, step.v_new, (k_cache, v_cache), meta)
+    torch.cuda.synchronize()
+    keep = torch.tensor([0, 1, 3], device="cuda")
+    want_k, want_v = step.k_cache.clone(), step.v_cache.clone()
+    kv_heads, head_dim = want_k.shape[-2:]
+    want_k.view(-1, kv_heads, head_dim).index_copy_(0, slots[keep], step.k_new[keep])
+    want_v.view(-1, kv_heads, head_dim).index_copy_(0, slots[keep], step.v_new[keep])
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

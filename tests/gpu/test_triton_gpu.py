@@ -216,3 +216,24 @@ def test_launch_replays_in_a_cuda_graph_with_new_lengths(triton_backend, num_seq
     )
     want = ref.attend(step.q, kv, ref_meta, ref.prepare(ref_meta), scale=scale)
     torch.testing.assert_close(out, want, **BF16_TOL)
+
+
+def test_new_batch_sizes_and_table_widths_compile_nothing(triton_backend):
+    """The sequence count and the block table's width change every step: left unspecialised
+    (Triton would compile variants for 1 and for multiples of 16), steps of 1, 16 and 17
+    sequences with tables 1 to 250 blocks wide share one compiled kernel (a compile in the
+    middle of serving costs up to a second)."""
+    from kernels.triton import attention
+    from kernels.triton_paged import TritonTuning
+
+    backend = triton_backend()
+    backend.tuning = TritonTuning(num_splits=1)  # the split count is a constant by design
+    compiled = attention.paged_attention_kernel.device_caches[torch.cuda.current_device()][0]
+    step = make_step(decodes(4, 100, 300, seed=1))
+    step.copy().forward(backend)
+    before = len(compiled)
+    for n, hi in ((1, 15), (16, 4000), (17, 4000)):
+        step = make_step(decodes(n, 1, hi, seed=n))
+        step.copy().forward(backend)
+    torch.cuda.synchronize()
+    assert len(compiled) == before
