@@ -8,9 +8,13 @@ pass `ignore_eos`.
 from __future__ import annotations
 
 import functools
+import gc
 import tempfile
+import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -90,3 +94,17 @@ def make_request(rid: str, prompt: list[int], params: SamplingParams, **kw) -> R
 def prompt_ids(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 300, (n,), generator=g).tolist()
+
+
+def kv_freed_once_dropped(make: Callable[[], Any]) -> bool:
+    """Whether the KV cache of the engine `make()` returns is freed as soon as the engine is
+    dropped, with the garbage collector off: no reference cycle holds it (on a GPU it is most
+    of the device's memory, which the next engine in the process needs)."""
+    engine = make()
+    cache = weakref.ref(engine.runner.kv_caches[0][0])
+    gc.disable()
+    try:
+        del engine
+        return cache() is None
+    finally:
+        gc.enable()

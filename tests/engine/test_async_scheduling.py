@@ -9,10 +9,8 @@ synchronous engine's.
 from __future__ import annotations
 
 import asyncio
-import gc
 import random
 import time
-import weakref
 
 import pytest
 import torch
@@ -24,7 +22,13 @@ from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, Request, RequestClass, SamplingParams, TokenDelta
 from engine.sample.sampler import Sampler
 from engine.sequence import PLACEHOLDER, SequenceStatus
-from tests.engine.engine_fixture import greedy, make_request, prompt_ids, tiny_config
+from tests.engine.engine_fixture import (
+    greedy,
+    kv_freed_once_dropped,
+    make_request,
+    prompt_ids,
+    tiny_config,
+)
 
 SMALL_STEPS = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)
 
@@ -208,15 +212,13 @@ def test_a_dropped_engine_is_freed_at_once() -> None:
     """No reference cycle holds an engine that goes ahead: its KV cache (on a GPU, most of
     the device's memory) is freed when the last reference goes, not at some later garbage
     collection, so the next engine in the process can have the memory."""
-    engine = LLMEngine(tiny_config(async_scheduling=True))
-    run_all(engine, [make_request("a", prompt_ids(1, 10), greedy(5))])
-    cache = weakref.ref(engine.runner.kv_caches[0][0])
-    gc.disable()
-    try:
-        del engine
-        assert cache() is None
-    finally:
-        gc.enable()
+
+    def make() -> LLMEngine:
+        engine = LLMEngine(tiny_config(async_scheduling=True))
+        run_all(engine, [make_request("a", prompt_ids(1, 10), greedy(5))])
+        return engine
+
+    assert kv_freed_once_dropped(make)
 
 
 def test_a_step_returns_the_previous_launched_steps_tokens() -> None:

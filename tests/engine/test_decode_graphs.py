@@ -10,8 +10,6 @@ process of its own.
 from __future__ import annotations
 
 import functools
-import gc
-import weakref
 
 import pytest
 
@@ -19,7 +17,13 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.runner.graphs import DecodeGraphs, batch_buckets, seqlen_bounds
 from engine.runner.inputs import StepInputs
-from tests.engine.engine_fixture import greedy, make_request, prompt_ids, tiny_config
+from tests.engine.engine_fixture import (
+    greedy,
+    kv_freed_once_dropped,
+    make_request,
+    prompt_ids,
+    tiny_config,
+)
 from tests.kernels.helpers import triton_kernel_device
 
 DEVICE = triton_kernel_device()  # imports triton under the interpreter on a CPU host
@@ -154,16 +158,14 @@ def test_launched_steps_feed_the_graphs_inputs_from_the_device():
 def test_an_engine_with_graphs_is_freed_once_dropped():
     """No reference cycle through the graphs' forward closures keeps the model and KV cache
     alive (on a GPU, most of its memory) after the engine is dropped."""
-    engine = make_engine(async_scheduling=True)
-    static_graphs(engine)
-    run(engine)
-    cache = weakref.ref(engine.runner.kv_caches[0][0])
-    gc.disable()
-    try:
-        del engine
-        assert cache() is None
-    finally:
-        gc.enable()
+
+    def make() -> LLMEngine:
+        engine = make_engine(async_scheduling=True)
+        static_graphs(engine)
+        run(engine)
+        return engine
+
+    assert kv_freed_once_dropped(make)
 
 
 def test_a_padded_replay_writes_only_the_live_slots():
