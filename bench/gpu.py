@@ -32,7 +32,9 @@ Progress goes to stderr; the LAST stdout line is one JSON object:
                                   layers' matmuls, causal attention, the LM head for the
                                   last token) / our TTFT / the measured matmul rate, 8B
                                   shape (>= 0.65)
-plus the GPU's name and every absolute figure (per shape, ours and HF's).
+plus the GPU's name and every absolute figure (per shape, ours and HF's), and
+`attention_prefill`: the attention backend alone on a 2,048-token causal prefill at the 8B
+shape's heads, its TFLOP/s against torch's SDPA on the same tensors.
 """
 
 from __future__ import annotations
@@ -98,6 +100,52 @@ def device_limits(device: torch.device, dtype: torch.dtype, tiny: bool) -> dict[
     b = torch.randn(n, n, dtype=dtype, device=device)
     mm_s = timed(lambda: a @ b, device, 10)
     return {"copy_bytes_per_s": 2 * nbytes / copy_s, "matmul_flops_per_s": 2 * n**3 / mm_s}
+
+
+def attention_figures(device: torch.device, dtype: torch.dtype, tiny: bool) -> dict[str, Any]:
+    """The attention backend the engine picks, alone, on one causal prefill at the 8B shape's
+    heads (32 query, 8 KV, head_dim 128; 2,048 tokens), against torch's own SDPA (its flash
+    or cuDNN kernel) on the same q/k/v: how much of `prefill_mfu_8b_2k` attention costs."""
+    import torch.nn.functional as F
+
+    from kernels.interface import AttentionMetadata
+    from kernels.registry import select_backend
+
+    heads, kv_heads, head_dim, n, bs = (4, 2, 64, 256, 16) if tiny else (32, 8, 128, PREFILL, 16)
+    backend = select_backend(None, device=device, dtype=dtype, head_dim=head_dim, block_size=bs)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=g, device=device, dtype=dtype)
+
+    q, k, v = randn(n, heads, head_dim), randn(n, kv_heads, head_dim), randn(n, kv_heads, head_dim)
+    blocks = -(-n // bs)
+    cache = (randn(blocks, bs, kv_heads, head_dim), randn(blocks, bs, kv_heads, head_dim))
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens_k=torch.tensor([n], dtype=torch.int32, device=device),
+        block_table=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
+        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
+        max_seqlen_q=n,
+        max_seqlen_k=n,
+        block_size=bs,
+    )
+    scale = head_dim**-0.5
+    ours = timed(lambda: backend.forward(q, k, v, meta, kv_cache=cache, scale=scale), device, 10)
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    sdpa = timed(
+        lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True),
+        device, 10,
+    )  # fmt: skip
+    flops = 2 * n * n * heads * head_dim  # QK^T and PV, 4 n^2 d a head; causal: half
+    return {
+        "backend": backend.name,
+        "prefill_tokens": n,
+        "ours_ms": round(1e3 * ours, 3),
+        "sdpa_ms": round(1e3 * sdpa, 3),
+        "ours_tflop_per_s": round(flops / ours / 1e12, 1),
+        "sdpa_tflop_per_s": round(flops / sdpa / 1e12, 1),
+    }
 
 
 def build(shape: str, directory: Path, device: torch.device, dtype: torch.dtype) -> Any:
@@ -317,6 +365,8 @@ def main() -> None:
         device, dtype, shapes = torch.device("cuda"), torch.bfloat16, {"1b": "1b", "8b": "8b"}
     limits = device_limits(device, dtype, opts.tiny)
     log(f"device: {limits}")
+    attention = attention_figures(device, dtype, opts.tiny)
+    log(f"attention alone: {attention}")
     done: dict[str, dict] = {}
     for name in ("1b", "8b"):
         if opts.only in (None, name):
@@ -352,6 +402,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (--tiny)",
         "copy_tb_per_s": round(limits["copy_bytes_per_s"] / 1e12, 3),
         "matmul_tflop_per_s": round(limits["matmul_flops_per_s"] / 1e12, 1),
+        "attention_prefill": attention,
         "shapes": {name: _rounded(m) for name, m in done.items()},
     }
     print(json.dumps(result), flush=True)

@@ -32,3 +32,6 @@ def test_the_gpu_bench_runs_end_to_end_on_a_tiny_shape():
     # launches ahead (async scheduling is off there)
     assert ours["launched_steps"] == 0 and ours["steps"] > 0
     assert result["gpu"] == "cpu (--tiny)"
+    attention = result["attention_prefill"]  # the backend alone against torch's SDPA
+    assert attention["backend"] == "cpu_paged" and attention["ours_ms"] > 0
+    assert attention["sdpa_ms"] > 0
