@@ -62,9 +62,20 @@ def kv_budget_bytes(
     return max(0, min(share, free - peak_activations))
 
 
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index: a bare "cuda" is the current device of the calling thread,
+    which another thread's "cuda" need not be, so an engine resolves it once, where it is
+    built."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def bind_thread(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device (nothing on the CPU). CUDA's
-    current device is per thread and starts at 0; Triton launches on it and events record on
-    its stream, so every thread that runs an engine on `cuda:N` calls this first."""
-    if device.type == "cuda":
+    """Make `device` (indexed: `indexed`) the calling thread's current CUDA device (nothing
+    on the CPU). CUDA's current device is per thread and starts at 0; Triton launches on it
+    and events record on its stream, so every thread that runs an engine on `cuda:N` calls
+    this first. A bare "cuda" means the thread's current device: nothing to bind (and torch's
+    `set_device` refuses it)."""
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)

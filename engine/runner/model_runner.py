@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from engine.config import EngineConfig
-from engine.device import CPU_KV_CACHE_BYTES, bind_thread, kv_budget_bytes, placed
+from engine.device import CPU_KV_CACHE_BYTES, bind_thread, indexed, kv_budget_bytes, placed
 from engine.models.loader import ModelInfo, load_model, read_model_info
 from engine.request import SamplingParams
 from engine.runner.graphs import DecodeGraphs
@@ -47,7 +47,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str):
         config = placed(config)
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = indexed(torch.device(config.device))
         bind_thread(self.device)
         info = read_model_info(model_path, config.dtype)
         self.block_size = config.cache.block_size

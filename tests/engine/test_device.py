@@ -8,6 +8,8 @@ import torch
 from engine.config import CacheConfig, EngineConfig
 from engine.device import (
     CPU_KV_CACHE_BYTES,
+    bind_thread,
+    indexed,
     kv_budget_bytes,
     placed,
     resolve_device,
@@ -60,3 +62,21 @@ def test_without_a_size_the_cpu_pool_is_256_mib():
         EngineConfig(model=str(path), cache=CacheConfig(kv_cache_bytes=8 << 20)), str(path)
     )
     assert sized.num_blocks == (8 << 20) // sized.bytes_per_block
+
+
+def test_engine_threads_bind_an_indexed_cuda_device(monkeypatch):
+    """torch's `set_device` refuses a bare "cuda" (ValueError), so the runner resolves it to
+    the current device once, and each engine thread binds that index."""
+    from torch.cuda._utils import _get_device_index
+
+    bound: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(_get_device_index(d)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    cuda = indexed(torch.device("cuda"))
+    assert cuda == torch.device("cuda", 2)
+    assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert indexed(torch.device("cpu")) == torch.device("cpu")
+    bind_thread(cuda)
+    bind_thread(torch.device("cpu"))  # nothing
+    bind_thread(torch.device("cuda"))  # a bare "cuda": the thread's own, nothing to bind
+    assert bound == [2]
