@@ -304,7 +304,6 @@ def measure(
         log(f"{shape}: building a random-init model on {device} ...")
         model = build(shape, directory, device, dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        params = sum(p.numel() for p in model.parameters())
         work = step_work(model, weight_bytes, 256 if tiny else PREFILL)
         log(f"{shape}: {weight_bytes / 1e9:.2f} GB of weights; HF generate (static cache) ...")
         hf = hf_figures(model, device, tiny)
@@ -317,7 +316,7 @@ def measure(
         log(f"{shape}: firstlight ...")
         ours = engine_run(directory, tiny)
         log(f"{shape}: firstlight {ours}")
-        done = {"weight_bytes": weight_bytes, "params": params, **work, "hf": hf, "ours": ours}
+        done = {"weight_bytes": weight_bytes, **work, "hf": hf, "ours": ours}
         if ablations:  # the same engine without CUDA graphs, async scheduling, fused kernels
             for key, what, kw in (
                 ("ours_eager", "without CUDA graphs", dict(graphs=False)),

@@ -60,6 +60,13 @@ def apply_penalties(
         proc.index_put_((rows.to(dev), ids.to(dev)), -pres_row[rows].to(dev), accumulate=True)
 
 
+def bans_tokens(sp: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether `min_tokens` may forbid tokens this step: inside its window, with stop token
+    ids or an EOS that counts (`ignore_eos` off). `min_tokens` with `ignore_eos` and no stop
+    ids bans nothing, so such rows keep the fast paths (greedy, and picks on the device)."""
+    return num_output_tokens < sp.min_tokens and (bool(sp.stop_token_ids) or not sp.ignore_eos)
+
+
 def banned(
     seqs: list[Row], eos_token_ids: tuple[int, ...], vocab: int
 ) -> tuple[list[int], list[int]]:
@@ -68,7 +75,7 @@ def banned(
     cols: list[int] = []
     for i, s in enumerate(seqs):
         sp = s.sampling
-        if s.num_output_tokens >= sp.min_tokens:
+        if not bans_tokens(sp, s.num_output_tokens):
             continue
         tokens = set(sp.stop_token_ids)
         if not sp.ignore_eos:

@@ -48,7 +48,7 @@ import torch
 
 from engine.request import SamplingParams, TokenLogprob
 from engine.sample.filters import draw, index, weights
-from engine.sample.penalties import Row, apply_penalties, banned, has_freq_pres
+from engine.sample.penalties import Row, apply_penalties, banned, bans_tokens, has_freq_pres
 from engine.sample.rejection import accept_greedy, accept_random
 from engine.sequence import Sequence
 from engine.structured.masks import TokenMask
@@ -106,22 +106,8 @@ def device_pickable(sp: SamplingParams, num_output_tokens: int) -> bool:
     )
 
 
-def bans_tokens(sp: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether `min_tokens` may forbid tokens this step: inside its window, with stop token
-    ids or an EOS that counts (`ignore_eos` off). `min_tokens` with `ignore_eos` and no stop
-    ids bans nothing, so such rows keep the fast paths (greedy, and picks on the device)."""
-    return num_output_tokens < sp.min_tokens and (bool(sp.stop_token_ids) or not sp.ignore_eos)
-
-
 def _is_plain_greedy(sp: SamplingParams, num_output_tokens: int) -> bool:
-    return (
-        sp.temperature < GREEDY_EPS
-        and sp.logprobs is None
-        and sp.repetition_penalty == 1.0
-        and sp.frequency_penalty == 0.0
-        and sp.presence_penalty == 0.0
-        and not bans_tokens(sp, num_output_tokens)
-    )
+    return sp.temperature < GREEDY_EPS and device_pickable(sp, num_output_tokens)
 
 
 @dataclass(slots=True)

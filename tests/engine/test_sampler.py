@@ -7,7 +7,8 @@ import torch
 
 from engine.request import Request, SamplingParams
 from engine.sample.filters import top_p_drop
-from engine.sample.sampler import Sampler, bans_tokens, device_pickable
+from engine.sample.penalties import bans_tokens
+from engine.sample.sampler import Sampler, device_pickable
 from engine.sequence import Sequence
 
 V = 10
