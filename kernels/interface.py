@@ -89,6 +89,11 @@ class AttentionBackend(ABC, Generic[StateT]):
 
     name: ClassVar[str] = "abstract"
     supports_graphs: ClassVar[bool] = False
+    # `write_kv` stores `k`/`v` at `slot_mapping` of `[num_blocks, block_size, kv_heads,
+    # head_dim]` caches and nothing else, so the model may write them itself (RoPE fused with
+    # the write, `kernels.layer_ops`) and call `attend`; False for a backend that overrides
+    # `write_kv` with another layout or fuses the write into its attention
+    standard_kv_write: ClassVar[bool] = True
     state_type: type[StateT]
 
     @classmethod

@@ -6,13 +6,18 @@ model (engine/models/llama.py) calls them through a `LayerOps`:
     x, residual = ops.add_rms_norm(h, residual, weight, eps)  # residual None: norm(h), h
     q = ops.rope(q, cos, sin)                                  # may rotate q in place
     a = ops.silu_mul(gate_up)                                  # [T, 2I] -> [T, I]
+    q = ops.rope_write_kv(q, k, v, cos, sin, kv_cache, slots)  # when `fuses_kv_write`
+
+The last is RoPE fused with the K/V write into the paged cache: a model calls it instead of
+`rope` and its attention backend's `write_kv` when the ops fuse it and the backend's cache
+is the standard one (`AttentionBackend.standard_kv_write`).
 
 * `TorchOps` runs HF Llama's own ops in HF's order: the reference, and the only choice
   where Triton cannot run.
-* `TritonOps` runs one kernel per stage (kernels.triton.fused), about four launches a layer
-  where torch takes about twenty. It rounds where torch rounds, so in 16-bit dtypes the
-  outputs agree bit for bit, but for the norm's float32 sum of squares, summed in another
-  order (see that module).
+* `TritonOps` runs one kernel per stage (kernels.triton.fused), four launches a layer
+  (two norms, RoPE with the K/V write, SiLU) where torch takes about twenty. It rounds
+  where torch rounds, so in 16-bit dtypes the outputs agree bit for bit, but for the norm's
+  float32 sum of squares, summed in another order (see that module).
 
 `select_layer_ops(fused, device=..., dtype=..., shape=...)` picks: False, torch; True,
 Triton or a ValueError saying why not; None (the default), Triton where it runs and passes a
@@ -32,6 +37,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_write import write_kv
+
 log = logging.getLogger("firstlight.kernels")
 
 
@@ -40,16 +47,23 @@ class LayerShape:
     """A model's sizes that the layer ops run at (the smoke check tries these)."""
 
     hidden: int
-    rotary_heads: int  # q and k heads, rotated together
+    heads: int  # query heads
+    kv_heads: int
     head_dim: int
     intermediate: int
 
+    @property
+    def rotary_heads(self) -> int:
+        """q and k heads, rotated together."""
+        return self.heads + self.kv_heads
 
-TOY_SHAPE = LayerShape(hidden=96, rotary_heads=5, head_dim=32, intermediate=80)
+
+TOY_SHAPE = LayerShape(hidden=96, heads=6, kv_heads=3, head_dim=32, intermediate=80)
 
 
 class LayerOps(ABC):
     name: ClassVar[str]
+    fuses_kv_write: ClassVar[bool] = False  # `rope_write_kv` runs
 
     @abstractmethod
     def add_rms_norm(
@@ -66,6 +80,22 @@ class LayerOps(ABC):
     @abstractmethod
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` of `gate_up: [T, 2 * I]` (gate first): `[T, I]`."""
+
+    def rope_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Ops with `fuses_kv_write` only: `q` rotated in place and returned; `k` rotated
+        and `v` stored at `slot_mapping` of the standard paged caches (`[num_blocks,
+        block_size, kv_heads, head_dim]`; a negative slot writes nothing). `k` itself may stay
+        unrotated."""
+        raise NotImplementedError(f"{self.name} ops do not write the KV cache")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,6 +130,7 @@ class TorchOps(LayerOps):
 
 class TritonOps(LayerOps):
     name = "triton"
+    fuses_kv_write = True
 
     def __init__(self) -> None:
         from kernels.triton import fused
@@ -116,6 +147,18 @@ class TritonOps(LayerOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._fused.silu_mul(gate_up)
+
+    def rope_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._fused.rope_write_kv(q, k, v, cos, sin, *kv_cache, slot_mapping)
 
 
 def triton_ops_why_not(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -159,19 +202,34 @@ def smoke_check(
         return torch.randn(*size, generator=g).to(device=device, dtype=dtype)
 
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    hidden, heads, head_dim = shape.hidden, shape.rotary_heads, shape.head_dim
+    hidden, rotary, head_dim = shape.hidden, shape.rotary_heads, shape.head_dim
     x, res, w = rand(3, hidden), rand(3, hidden), rand(hidden)
-    qkv = rand(3, heads + 2, head_dim)  # q and k rotate as a strided view of a fused projection
+    # q, k and v heads as a fused projection's output: the stages run on strided views
+    qkv = rand(3, rotary + shape.kv_heads, head_dim)
     cos, sin = rand(3, 1, head_dim // 2), rand(3, 1, head_dim // 2)
     gate_up = rand(3, 2 * shape.intermediate)
+
+    slots = torch.tensor([5, 0, 2], device=device)  # a 2-block cache of 4 slots a block
+
+    def rope_write_kv(o: LayerOps) -> tuple[torch.Tensor, ...]:
+        q, k, v = qkv.clone().split([shape.heads, shape.kv_heads, shape.kv_heads], dim=1)
+        cache = torch.zeros(2, 2, 4, shape.kv_heads, head_dim, device=device, dtype=dtype)
+        if o.fuses_kv_write:
+            q = o.rope_write_kv(q, k, v, cos, sin, (cache[0], cache[1]), slots)
+        else:
+            q, k = o.rope(q, cos, sin), o.rope(k, cos, sin)
+            write_kv(k, v, cache[0], cache[1], slots)
+        return q, cache
 
     def stages(o: LayerOps) -> dict[str, torch.Tensor]:
         outs = {
             "add_rms_norm": o.add_rms_norm(x.clone(), res.clone(), w, 1e-6),
             "rms_norm": o.add_rms_norm(x.clone(), None, w, 1e-6),
-            "rope": (o.rope(qkv.clone()[:, :heads], cos, sin),),
+            "rope": (o.rope(qkv.clone()[:, :rotary], cos, sin),),
             "silu_mul": (o.silu_mul(gate_up),),
         }
+        if ops.fuses_kv_write:
+            outs["rope_write_kv"] = rope_write_kv(o)
         return {k: torch.cat([t.float().flatten() for t in v]) for k, v in outs.items()}
 
     try:

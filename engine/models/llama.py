@@ -6,7 +6,9 @@ layer's attention and MLP, the pass stops with `StepInterrupted` once it says Tr
 `model.compute_logits(hidden[N, hidden_size]) -> [N, vocab]`.
 `kv_caches[i]` is layer i's `(k_cache, v_cache)`. The forward calls `backend.prepare(meta)`
 once; then each layer projects q/k/v, applies RoPE at `positions` and hands q, k, v to
-`backend.forward`, which writes K/V at `meta.slot_mapping` and attends. q/k/v and gate/up
+`backend.forward`, which writes K/V at `meta.slot_mapping` and attends (or, with ops that
+fuse RoPE into the K/V write and a backend with the standard cache, one kernel rotates q and
+k and writes K/V, and `backend.attend` follows). q/k/v and gate/up
 are fused into one matmul each; `load_weights` maps HF checkpoint names onto the fused
 slices. The element-wise stages (residual add + RMSNorm, RoPE, SiLU-and-multiply) run
 through `ops` (kernels.layer_ops: torch's ops, or one fused kernel each): layers pass
@@ -50,6 +52,8 @@ class Attention(nn.Module):
         super().__init__()
         self.backend = backend
         self.ops = ops
+        # RoPE and the K/V write in one kernel, where the ops have one for the backend's cache
+        self.fused_kv_write = ops.fuses_kv_write and backend.standard_kv_write
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -73,14 +77,20 @@ class Attention(nn.Module):
         num_tokens = h.shape[0]
         nq, nkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(h).view(num_tokens, nq + 2 * nkv, self.head_dim)
+        q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.ops.rope(self.q_norm(qkv[:, :nq]), cos, sin)
-            k = self.ops.rope(self.k_norm(qkv[:, nq : nq + nkv]), cos, sin)
-        else:  # q and k rotate together in one pass
-            qk = self.ops.rope(qkv[:, : nq + nkv], cos, sin)
-            q, k = qk[:, :nq], qk[:, nq:]
-        v = qkv[:, nq + nkv :]
-        o = self.backend.forward(q, k, v, meta, kv_cache=kv_cache, scale=self.scale)
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.fused_kv_write:  # one kernel rotates q and k and writes k and v
+            q = self.ops.rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
+            state = self.backend.prepare(meta)
+            o = self.backend.attend(q, kv_cache, meta, state, scale=self.scale)
+        else:
+            if self.q_norm is not None:
+                q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
+            else:  # q and k rotate together in one pass
+                qk = self.ops.rope(qkv[:, : nq + nkv], cos, sin)
+                q, k = qk[:, :nq], qk[:, nq:]
+            o = self.backend.forward(q, k, v, meta, kv_cache=kv_cache, scale=self.scale)
         return self.o_proj(o.reshape(num_tokens, nq * self.head_dim))
 
 

@@ -93,7 +93,8 @@ def load_model(
     spec = read_spec(path)
     shape = LayerShape(
         hidden=spec.hidden_size,
-        rotary_heads=spec.num_heads + spec.num_kv_heads,
+        heads=spec.num_heads,
+        kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         intermediate=spec.intermediate_size,
     )

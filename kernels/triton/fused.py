@@ -15,6 +15,10 @@ place):
 * `rope_`: rotates `x: [T, heads, head_dim]` in place, the "rotate half" convention, each
   product and sum rounded to the model dtype as torch's ops round them. One program per
   token.
+* `rope_write_kv`: `rope_` of the query heads, and the key heads rotated and stored with
+  the value heads at their cache slots: the RoPE and the K/V write of a layer in one launch
+  (`kernels.triton.kv_write`'s contract: a negative slot writes nothing). One program per
+  token.
 * `silu_mul`: `silu(gate) * up` of a fused `[T, 2 * I]` gate/up projection, SiLU's output
   rounded to the model dtype first as torch's two ops do. Programs over (token, column tile).
 
@@ -63,6 +67,53 @@ def add_rms_norm_kernel(
 
 
 @triton.jit
+def _cos_sin(cos, sin, token, stride_ct, stride_st, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """A token's `[HALF]` cos and sin rows, float32."""
+    cols = tl.arange(0, HALF_PAD)
+    c = tl.load(cos + token * stride_ct + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin + token * stride_st + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def _rotated(first, mask, c, s, HALF: tl.constexpr):
+    """The "rotate half" rotation of the heads at `first` (`[heads, HALF]` pointers to their
+    first halves) by `c`, `s`: `(lo, hi)` in the heads' dtype. torch rounds each product to
+    the model dtype, then their sum, so this does too (a product of two 16-bit values is
+    exact in float32, and the casts keep it from fusing into an FMA)."""
+    x1 = tl.load(first, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    dt = x1.dtype
+    ac = (a * c[None, :]).to(dt).to(tl.float32)
+    bs = (b * s[None, :]).to(dt).to(tl.float32)
+    bc = (b * c[None, :]).to(dt).to(tl.float32)
+    as_ = (a * s[None, :]).to(dt).to(tl.float32)
+    return (ac - bs).to(dt), (bc + as_).to(dt)
+
+
+@triton.jit
+def _rotate_heads_(
+    x,
+    stride_h,
+    c,
+    s,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    """Rotate one token's `HEADS` heads at `x` (head stride `stride_h`) in place."""
+    heads = tl.arange(0, HEADS_PAD)
+    cols = tl.arange(0, HALF_PAD)
+    mask = (heads[:, None] < HEADS) & (cols[None, :] < HALF)
+    first = x + heads[:, None] * stride_h + cols[None, :]
+    lo, hi = _rotated(first, mask, c, s, HALF)
+    tl.store(first, lo, mask=mask)
+    tl.store(first + HALF, hi, mask=mask)
+
+
+@triton.jit
 def rope_kernel(
     x,
     cos,
@@ -77,25 +128,64 @@ def rope_kernel(
     HALF_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, HEADS_PAD)
-    cols = tl.arange(0, HALF_PAD)
-    mask = (heads[:, None] < HEADS) & (cols[None, :] < HALF)
-    c = tl.load(cos + token * stride_ct + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    s = tl.load(sin + token * stride_st + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    first = x + token * stride_xt + heads[:, None] * stride_xh + cols[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    dt = x1.dtype
-    # torch rounds each product to the model dtype, then their sum: so do we (a product of
-    # two 16-bit values is exact in float32, and the casts keep it from fusing into an FMA)
-    ac = (a * c[None, :]).to(dt).to(tl.float32)
-    bs = (b * s[None, :]).to(dt).to(tl.float32)
-    bc = (b * c[None, :]).to(dt).to(tl.float32)
-    as_ = (a * s[None, :]).to(dt).to(tl.float32)
-    tl.store(first, (ac - bs).to(dt), mask=mask)
-    tl.store(first + HALF, (bc + as_).to(dt), mask=mask)
+    c, s = _cos_sin(cos, sin, token, stride_ct, stride_st, HALF, HALF_PAD)
+    _rotate_heads_(x + token * stride_xt, stride_xh, c, s, HEADS, HEADS_PAD, HALF, HALF_PAD)
+
+
+@triton.jit
+def rope_write_kv_kernel(
+    q,
+    k,
+    v,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_st,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    KV_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    c, s = _cos_sin(cos, sin, token, stride_ct, stride_st, HALF, HALF_PAD)
+    _rotate_heads_(q + token * stride_qt, stride_qh, c, s, HEADS, HEADS_PAD, HALF, HALF_PAD)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    if slot >= 0:  # a negative slot (a graph bucket's padding row) writes nothing
+        block = slot // BLOCK_SIZE
+        row = slot % BLOCK_SIZE
+        kv = tl.arange(0, KV_PAD)
+        cols = tl.arange(0, HALF_PAD)
+        kv_mask = (kv[:, None] < KV_HEADS) & (cols[None, :] < HALF)
+        k_src = k + token * stride_kt + kv[:, None] * stride_kh + cols[None, :]
+        k_lo, k_hi = _rotated(k_src, kv_mask, c, s, HALF)
+        k_dst = k_cache + block * stride_kcb + row * stride_kcs + kv[:, None] * stride_kch
+        k_dst += cols[None, :]
+        tl.store(k_dst, k_lo.to(k_cache.dtype.element_ty), mask=kv_mask)
+        tl.store(k_dst + HALF, k_hi.to(k_cache.dtype.element_ty), mask=kv_mask)
+        v_src = v + token * stride_vt + kv[:, None] * stride_vh + cols[None, :]
+        v_dst = v_cache + block * stride_vcb + row * stride_vcs + kv[:, None] * stride_vch
+        v_dst += cols[None, :]
+        for half in tl.static_range(2):
+            values = tl.load(v_src + half * HALF, mask=kv_mask, other=0.0)
+            tl.store(v_dst + half * HALF, values.to(v_cache.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -159,6 +249,44 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
             num_warps=_warps(triton.next_power_of_2(heads) * triton.next_power_of_2(half)),
         )  # fmt: skip
     return x
+
+
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rope_(q)`, and `k` rotated and `v` stored at `slot_mapping[t]` of the caches, in one
+    launch: what `rope_` on q and k followed by `kernels.triton.kv_write.write_kv` does,
+    except that `k` itself is left unrotated (only the cache holds its rotation). `q`, `k`,
+    `v`: `[T, heads, head_dim]` with head_dim contiguous (any token and head strides, e.g.
+    views of a fused projection); caches `[num_blocks, block_size, kv_heads, head_dim]`
+    (head_dim contiguous); a negative slot writes nothing. Returns `q`."""
+    num_tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    half = head_dim // 2
+    assert k.shape == v.shape == (num_tokens, kv_heads, head_dim), (k.shape, v.shape)
+    assert all(t.stride(-1) == 1 for t in (q, k, v, cos, sin, k_cache, v_cache))
+    assert cos.shape[-1] == sin.shape[-1] == half and cos.shape[0] == sin.shape[0] == num_tokens
+    if num_tokens:
+        heads_pad, kv_pad = triton.next_power_of_2(heads), triton.next_power_of_2(kv_heads)
+        half_pad = triton.next_power_of_2(half)
+        rope_write_kv_kernel[(num_tokens,)](
+            q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), sin.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            HEADS=heads, HEADS_PAD=heads_pad, KV_HEADS=kv_heads, KV_PAD=kv_pad, HALF=half,
+            HALF_PAD=half_pad, BLOCK_SIZE=k_cache.shape[1],
+            num_warps=_warps(heads_pad * half_pad),
+        )  # fmt: skip
+    return q
 
 
 SILU_BLOCK = 1024

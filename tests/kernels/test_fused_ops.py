@@ -93,6 +93,92 @@ def test_rope_rotates_the_q_and_k_heads_of_a_fused_projection_in_place(dtype) ->
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("nq", "nkv", "head_dim"), [(6, 2, 32), (4, 4, 64), (3, 1, 16)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_write_kv_rotates_q_and_writes_the_rotated_k_and_v_at_their_slots(
+    dtype, nq, nkv, head_dim, qk_norm
+) -> None:
+    """As `rope` on q and k then the K/V write, bit for bit in 16-bit dtypes: q rotated in
+    place; k rotated into the cache, v copied, at each token's slot; a slot of -1 (a graph
+    bucket's padding row) writes nothing; k itself and every other slot stay as they were.
+    q and k as strided views of a fused projection, or (qk_norm: Qwen3) separate tensors."""
+    tokens, blocks, block_size = 7, 3, 4
+    qkv = rand(tokens, nq + 2 * nkv, head_dim, dtype=dtype)
+    q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
+    if qk_norm:
+        q, k = q.contiguous(), k.contiguous()
+    cs = rand(tokens, 2, head_dim // 2, dtype=dtype, seed=3)
+    cos, sin = cs[:, 0:1], cs[:, 1:2]
+    slots = torch.tensor([9, 0, -1, 4, 11, 2, 5], device=DEVICE)
+    fill = rand(2, blocks, block_size, nkv, head_dim, dtype=dtype, seed=4)
+    k_before = k.clone()
+
+    ref = TorchOps()
+    want_q = ref.rope(q.clone(), cos, sin)
+    want_k = ref.rope(k.clone(), cos, sin)
+    want = fill.clone().view(2, blocks * block_size, nkv, head_dim)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want[0, slot], want[1, slot] = want_k[t], v[t]
+
+    cache = fill.clone()
+    got_q = TritonOps().rope_write_kv(q, k, v, cos, sin, (cache[0], cache[1]), slots)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    got = cache.view(2, blocks * block_size, nkv, head_dim)
+    if dtype == torch.float32:
+        close(got_q, want_q, dtype)
+        close(got, want, dtype)
+    else:
+        assert torch.equal(got_q, want_q) and torch.equal(got, want)
+    assert torch.equal(k, k_before)  # only the cache holds k's rotation
+
+
+def test_layers_on_fused_ops_write_kv_in_the_rope_kernel_where_the_backend_allows() -> None:
+    """TritonOps and a backend with the standard cache: each layer calls `rope_write_kv`
+    and never the backend's `write_kv`; torch's ops keep the backend's write, and so does a
+    backend that declares another cache layout (`standard_kv_write` False)."""
+
+    def calls(fused: bool) -> dict[str, int]:
+        engine = LLMEngine(
+            tiny_config(device=DEVICE.type, fused_ops=fused, attention_backend="torch_ref")
+        )
+        model, backend = engine.runner.model, engine.runner.backend
+        counts = {"rope_write_kv": 0, "write_kv": 0}
+
+        def counted(owner: object, name: str) -> None:
+            fn = getattr(owner, name)
+
+            def wrapped(*args, **kwargs):
+                counts[name] += 1
+                return fn(*args, **kwargs)
+
+            setattr(owner, name, wrapped)  # on the instance: nothing else sees it
+
+        counted(model.ops, "rope_write_kv")
+        counted(backend, "write_kv")
+        engine.add_request(make_request("r", prompt_ids(0, 9), greedy(3)))
+        while engine.has_unfinished():
+            engine.step()
+        assert all(layer.self_attn.fused_kv_write == fused for layer in model.layers)
+        return counts
+
+    fused, plain = calls(True), calls(False)
+    assert fused["write_kv"] == 0 and fused["rope_write_kv"] == plain["write_kv"] > 0
+    assert plain["rope_write_kv"] == 0
+
+    from engine.models.llama import Attention
+    from kernels.reference import TorchReferenceBackend
+
+    class OwnLayout(TorchReferenceBackend):
+        standard_kv_write = False
+
+    spec = LLMEngine(tiny_config(device=DEVICE.type)).runner.model.spec
+    assert Attention(spec, TorchReferenceBackend(), TritonOps()).fused_kv_write
+    assert not Attention(spec, OwnLayout(), TritonOps()).fused_kv_write
+    assert not Attention(spec, TorchReferenceBackend(), TorchOps()).fused_kv_write
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("size", [64, 1500])  # one column tile; two, the second part-masked
 def test_silu_mul(dtype, size) -> None:
     gate_up = rand(4, 2 * size, dtype=dtype) * 3
@@ -106,6 +192,13 @@ def test_no_tokens() -> None:
     assert out.shape == (0, 64) and h.shape == (0, 64)
     assert ops.rope(torch.empty(0, 4, 16, device=DEVICE), empty[:, :8], empty[:, :8]).numel() == 0
     assert ops.silu_mul(empty).shape == (0, 32)
+    q, kv = torch.empty(0, 4, 16, device=DEVICE), torch.empty(0, 2, 16, device=DEVICE)
+    cache = torch.zeros(2, 1, 4, 2, 16, device=DEVICE)
+    slots = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    assert (
+        ops.rope_write_kv(q, kv, kv, empty[:, :8], empty[:, :8], (cache[0], cache[1]), slots) is q
+    )
+    assert not cache.any()
 
 
 def test_selected_where_the_kernels_run_and_passes_the_smoke_check() -> None:

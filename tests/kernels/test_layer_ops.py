@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from kernels.kv_write import write_kv
 from kernels.layer_ops import TorchOps, select_layer_ops, smoke_check
 
 CPU = torch.device("cpu")
@@ -48,3 +49,22 @@ def test_the_smoke_check_names_the_stage_that_disagrees_or_fails() -> None:
 
     assert (smoke_check(Scaled(), CPU, torch.float32) or "").startswith("silu_mul differs")
     assert smoke_check(Raises(), CPU, torch.float32) == "RuntimeError: no kernel image is available"
+
+
+def test_the_smoke_check_compares_a_fused_rope_and_kv_write_with_rope_then_the_write() -> None:
+    class Fused(TorchOps):  # torch's ops behind the fused entry point: agrees
+        fuses_kv_write = True
+
+        def rope_write_kv(self, q, k, v, cos, sin, kv_cache, slot_mapping):
+            write_kv(self.rope(k, cos, sin), v, *kv_cache, self.slots(slot_mapping))
+            return self.rope(q, cos, sin)
+
+        def slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+            return slot_mapping
+
+    class WrongSlots(Fused):
+        def slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+            return slot_mapping.flip(0)
+
+    assert smoke_check(Fused(), CPU, torch.float32) is None
+    assert (smoke_check(WrongSlots(), CPU, torch.float32) or "").startswith("rope_write_kv differs")
