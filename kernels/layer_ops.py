@@ -51,6 +51,7 @@ class LayerShape:
     kv_heads: int
     head_dim: int
     intermediate: int
+    qk_norm: bool = False  # per-head q/k RMSNorms before RoPE (Qwen3)
 
     @property
     def rotary_heads(self) -> int:
@@ -90,11 +91,13 @@ class LayerOps(ABC):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """Ops with `fuses_kv_write` only: `q` rotated in place and returned; `k` rotated
         and `v` stored at `slot_mapping` of the standard paged caches (`[num_blocks,
         block_size, kv_heads, head_dim]`; a negative slot writes nothing). `k` itself may stay
-        unrotated."""
+        unrotated. With `qk_norm = (q_weight, k_weight, eps)` each q and k head is first
+        normalised as `rms_norm(head, weight, eps)` (Qwen3's q/k norms)."""
         raise NotImplementedError(f"{self.name} ops do not write the KV cache")
 
 
@@ -157,8 +160,9 @@ class TritonOps(LayerOps):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
-        return self._fused.rope_write_kv(q, k, v, cos, sin, *kv_cache, slot_mapping)
+        return self._fused.rope_write_kv(q, k, v, cos, sin, *kv_cache, slot_mapping, qk_norm)
 
 
 def triton_ops_why_not(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -208,6 +212,7 @@ def smoke_check(
     qkv = rand(3, rotary + shape.kv_heads, head_dim)
     cos, sin = rand(3, 1, head_dim // 2), rand(3, 1, head_dim // 2)
     gate_up = rand(3, 2 * shape.intermediate)
+    norms = (rand(head_dim), rand(head_dim), 1e-6) if shape.qk_norm else None
 
     slots = torch.tensor([5, 0, 2], device=device)  # a 2-block cache of 4 slots a block
 
@@ -215,8 +220,10 @@ def smoke_check(
         q, k, v = qkv.clone().split([shape.heads, shape.kv_heads, shape.kv_heads], dim=1)
         cache = torch.zeros(2, 2, 4, shape.kv_heads, head_dim, device=device, dtype=dtype)
         if o.fuses_kv_write:
-            q = o.rope_write_kv(q, k, v, cos, sin, (cache[0], cache[1]), slots)
+            q = o.rope_write_kv(q, k, v, cos, sin, (cache[0], cache[1]), slots, norms)
         else:
+            if norms is not None:
+                q, k = rms_norm(q, norms[0], norms[2]), rms_norm(k, norms[1], norms[2])
             q, k = o.rope(q, cos, sin), o.rope(k, cos, sin)
             write_kv(k, v, cache[0], cache[1], slots)
         return q, cache

@@ -78,15 +78,17 @@ class Attention(nn.Module):
         nq, nkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(h).view(num_tokens, nq + 2 * nkv, self.head_dim)
         q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_kv_write:  # one kernel rotates q and k and writes k and v
-            q = self.ops.rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
+        if self.fused_kv_write:  # one kernel (q/k norms,) rotates q and k and writes k and v
+            norms = None
+            if self.q_norm is not None and self.k_norm is not None:
+                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q = self.ops.rope_write_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping, norms)
             state = self.backend.prepare(meta)
             o = self.backend.attend(q, kv_cache, meta, state, scale=self.scale)
         else:
-            if self.q_norm is not None:
-                q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.ops.rope(self.q_norm(q), cos, sin)
+                k = self.ops.rope(self.k_norm(k), cos, sin)
             else:  # q and k rotate together in one pass
                 qk = self.ops.rope(qkv[:, : nq + nkv], cos, sin)
                 q, k = qk[:, :nq], qk[:, nq:]

@@ -97,6 +97,7 @@ def load_model(
         kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         intermediate=spec.intermediate_size,
+        qk_norm=spec.qk_norm,
     )
     ops = select_layer_ops(fused_ops, device=device, dtype=info.dtype, shape=shape)
     with torch.device("meta"):

@@ -141,24 +141,30 @@ def fused_usages(*, dtype: str, hidden: int, intermediate: int, heads: int, kv_h
         num_warps=fused._warps(rope_elements),
     )  # fmt: skip
     heads_pad, kv_pad = triton.next_power_of_2(heads), triton.next_power_of_2(kv_heads)
-    rope_write = _compile(
-        fused.rope_write_kv_kernel,
-        dict(q=ptr, k=ptr, v=ptr, cos=ptr, sin=ptr, k_cache=ptr, v_cache=ptr,
-             slot_mapping="*i64",
-             **{f"stride_{s}": "i32" for s in ("qt", "qh", "kt", "kh", "vt", "vh", "ct", "st",
-                                               "kcb", "kcs", "kch", "vcb", "vcs", "vch")}),
-        dict(HEADS=heads, HEADS_PAD=heads_pad, KV_HEADS=kv_heads, KV_PAD=kv_pad, HALF=half,
-             HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=16),
-        name=f"rope_write_kv {dtype} heads={heads}/{kv_heads} d={head_dim}", arch=arch,
-        num_warps=fused._warps(heads_pad * triton.next_power_of_2(half)),
-    )  # fmt: skip
+    rope_writes = [
+        _compile(
+            fused.rope_write_kv_kernel,
+            dict(q=ptr, k=ptr, v=ptr, cos=ptr, sin=ptr, k_cache=ptr, v_cache=ptr,
+                 slot_mapping="*i64", q_norm=ptr, k_norm=ptr, eps="fp32",
+                 **{f"stride_{s}": "i32" for s in ("qt", "qh", "kt", "kh", "vt", "vh", "ct",
+                                                   "st", "kcb", "kcs", "kch", "vcb", "vcs",
+                                                   "vch")}),
+            dict(HEADS=heads, HEADS_PAD=heads_pad, KV_HEADS=kv_heads, KV_PAD=kv_pad, HALF=half,
+                 HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=16, NORM=norm,
+                 SCALE_IN_DTYPE=dtype != "fp32"),
+            name=f"rope_write_kv{'_qk_norm' if norm else ''} {dtype} heads={heads}/{kv_heads} "
+                 f"d={head_dim}",
+            arch=arch, num_warps=fused._warps(heads_pad * triton.next_power_of_2(half)),
+        )
+        for norm in (False, True)  # Llama; Qwen3's q/k norms
+    ]  # fmt: skip
     silu = _compile(
         fused.silu_mul_kernel,
         dict(gate_up=ptr, out=ptr, stride_g="i32", stride_o="i32"),
         dict(SIZE=intermediate, BLOCK=min(fused.SILU_BLOCK, triton.next_power_of_2(intermediate))),
         name=f"silu_mul {dtype} size={intermediate}", arch=arch, num_warps=4,
     )  # fmt: skip
-    return [norm, rope, rope_write, silu]
+    return [norm, rope, *rope_writes, silu]
 
 
 # (dtype, heads, kv_heads, head_dim, num_seqs, max_seqlen_q, max_seqlen_k): Llama-3-8B-like

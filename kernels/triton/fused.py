@@ -17,8 +17,8 @@ place):
   token.
 * `rope_write_kv`: `rope_` of the query heads, and the key heads rotated and stored with
   the value heads at their cache slots: the RoPE and the K/V write of a layer in one launch
-  (`kernels.triton.kv_write`'s contract: a negative slot writes nothing). One program per
-  token.
+  (`kernels.triton.kv_write`'s contract: a negative slot writes nothing), with Qwen3's
+  per-head q/k RMSNorms before the rotation when the model has them. One program per token.
 * `silu_mul`: `silu(gate) * up` of a fused `[T, 2 * I]` gate/up projection, SiLU's output
   rounded to the model dtype first as torch's two ops do. Programs over (token, column tile).
 
@@ -76,14 +76,46 @@ def _cos_sin(cos, sin, token, stride_ct, stride_st, HALF: tl.constexpr, HALF_PAD
 
 
 @triton.jit
-def _rotated(first, mask, c, s, HALF: tl.constexpr):
-    """The "rotate half" rotation of the heads at `first` (`[heads, HALF]` pointers to their
-    first halves) by `c`, `s`: `(lo, hi)` in the heads' dtype. torch rounds each product to
-    the model dtype, then their sum, so this does too (a product of two 16-bit values is
-    exact in float32, and the casts keep it from fusing into an FMA)."""
+def _load_heads(
+    first,
+    mask,
+    norm_weight,
+    eps,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    NORM: tl.constexpr,
+    SCALE_IN_DTYPE: tl.constexpr,
+):
+    """The two halves (`[heads, HALF]` each) of the heads whose first halves are at `first`;
+    with NORM, each head normalised first: HF's RMSNorm over head_dim with `norm_weight`
+    (Qwen3's q/k norms), rounded where `add_rms_norm_kernel` rounds."""
     x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    if NORM:
+        dt = x1.dtype
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
+        cols = tl.arange(0, HALF_PAD)
+        w1 = tl.load(norm_weight + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_weight + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        if SCALE_IN_DTYPE:  # normalise in float32, round to the model dtype, then scale
+            x1 = ((a * inv[:, None]).to(dt).to(tl.float32) * w1[None, :]).to(dt)
+            x2 = ((b * inv[:, None]).to(dt).to(tl.float32) * w2[None, :]).to(dt)
+        else:
+            x1 = (a * inv[:, None] * w1[None, :]).to(dt)
+            x2 = (b * inv[:, None] * w2[None, :]).to(dt)
+    return x1, x2
+
+
+@triton.jit
+def _rotated(x1, x2, c, s):
+    """The "rotate half" rotation of halves `x1`, `x2` (`[heads, HALF]`) by `c`, `s`
+    (`[HALF]`, float32): `(lo, hi)` in the halves' dtype. torch rounds each product to the
+    model dtype, then their sum, so this does too (a product of two 16-bit values is exact
+    in float32, and the casts keep it from fusing into an FMA)."""
     a = x1.to(tl.float32)
-    b = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    b = x2.to(tl.float32)
     dt = x1.dtype
     ac = (a * c[None, :]).to(dt).to(tl.float32)
     bs = (b * s[None, :]).to(dt).to(tl.float32)
@@ -98,17 +130,23 @@ def _rotate_heads_(
     stride_h,
     c,
     s,
+    norm_weight,
+    eps,
     HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    NORM: tl.constexpr,
+    SCALE_IN_DTYPE: tl.constexpr,
 ):
-    """Rotate one token's `HEADS` heads at `x` (head stride `stride_h`) in place."""
+    """Rotate one token's `HEADS` heads at `x` (head stride `stride_h`) in place (each
+    normalised first, with NORM)."""
     heads = tl.arange(0, HEADS_PAD)
     cols = tl.arange(0, HALF_PAD)
     mask = (heads[:, None] < HEADS) & (cols[None, :] < HALF)
     first = x + heads[:, None] * stride_h + cols[None, :]
-    lo, hi = _rotated(first, mask, c, s, HALF)
+    x1, x2 = _load_heads(first, mask, norm_weight, eps, HALF, HALF_PAD, NORM, SCALE_IN_DTYPE)
+    lo, hi = _rotated(x1, x2, c, s)
     tl.store(first, lo, mask=mask)
     tl.store(first + HALF, hi, mask=mask)
 
@@ -129,7 +167,10 @@ def rope_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     c, s = _cos_sin(cos, sin, token, stride_ct, stride_st, HALF, HALF_PAD)
-    _rotate_heads_(x + token * stride_xt, stride_xh, c, s, HEADS, HEADS_PAD, HALF, HALF_PAD)
+    _rotate_heads_(
+        x + token * stride_xt, stride_xh, c, s, x, 0.0, HEADS, HEADS_PAD, HALF, HALF_PAD,
+        False, False,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -142,6 +183,9 @@ def rope_write_kv_kernel(
     k_cache,
     v_cache,
     slot_mapping,
+    q_norm,
+    k_norm,
+    eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -163,10 +207,15 @@ def rope_write_kv_kernel(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    NORM: tl.constexpr,
+    SCALE_IN_DTYPE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     c, s = _cos_sin(cos, sin, token, stride_ct, stride_st, HALF, HALF_PAD)
-    _rotate_heads_(q + token * stride_qt, stride_qh, c, s, HEADS, HEADS_PAD, HALF, HALF_PAD)
+    _rotate_heads_(
+        q + token * stride_qt, stride_qh, c, s, q_norm, eps, HEADS, HEADS_PAD, HALF, HALF_PAD,
+        NORM, SCALE_IN_DTYPE,
+    )  # fmt: skip
     slot = tl.load(slot_mapping + token).to(tl.int64)
     if slot >= 0:  # a negative slot (a graph bucket's padding row) writes nothing
         block = slot // BLOCK_SIZE
@@ -175,7 +224,8 @@ def rope_write_kv_kernel(
         cols = tl.arange(0, HALF_PAD)
         kv_mask = (kv[:, None] < KV_HEADS) & (cols[None, :] < HALF)
         k_src = k + token * stride_kt + kv[:, None] * stride_kh + cols[None, :]
-        k_lo, k_hi = _rotated(k_src, kv_mask, c, s, HALF)
+        k1, k2 = _load_heads(k_src, kv_mask, k_norm, eps, HALF, HALF_PAD, NORM, SCALE_IN_DTYPE)
+        k_lo, k_hi = _rotated(k1, k2, c, s)
         k_dst = k_cache + block * stride_kcb + row * stride_kcs + kv[:, None] * stride_kch
         k_dst += cols[None, :]
         tl.store(k_dst, k_lo.to(k_cache.dtype.element_ty), mask=kv_mask)
@@ -260,30 +310,37 @@ def rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """`rope_(q)`, and `k` rotated and `v` stored at `slot_mapping[t]` of the caches, in one
     launch: what `rope_` on q and k followed by `kernels.triton.kv_write.write_kv` does,
-    except that `k` itself is left unrotated (only the cache holds its rotation). `q`, `k`,
-    `v`: `[T, heads, head_dim]` with head_dim contiguous (any token and head strides, e.g.
-    views of a fused projection); caches `[num_blocks, block_size, kv_heads, head_dim]`
-    (head_dim contiguous); a negative slot writes nothing. Returns `q`."""
+    except that `k` itself is left unrotated (only the cache holds its rotation). With
+    `qk_norm = (q_weight, k_weight, eps)`, each q and k head is RMS-normalised over head_dim
+    first (Qwen3), as `rms_norm` does. `q`, `k`, `v`: `[T, heads, head_dim]` with head_dim
+    contiguous (any token and head strides, e.g. views of a fused projection); caches
+    `[num_blocks, block_size, kv_heads, head_dim]` (head_dim contiguous); a negative slot
+    writes nothing. Returns `q`."""
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     half = head_dim // 2
     assert k.shape == v.shape == (num_tokens, kv_heads, head_dim), (k.shape, v.shape)
     assert all(t.stride(-1) == 1 for t in (q, k, v, cos, sin, k_cache, v_cache))
     assert cos.shape[-1] == sin.shape[-1] == half and cos.shape[0] == sin.shape[0] == num_tokens
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
+    if qk_norm is not None:
+        assert q_norm.shape == k_norm.shape == (head_dim,), (q_norm.shape, k_norm.shape)
     if num_tokens:
         heads_pad, kv_pad = triton.next_power_of_2(heads), triton.next_power_of_2(kv_heads)
         half_pad = triton.next_power_of_2(half)
         rope_write_kv_kernel[(num_tokens,)](
-            q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+            q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HEADS=heads, HEADS_PAD=heads_pad, KV_HEADS=kv_heads, KV_PAD=kv_pad, HALF=half,
-            HALF_PAD=half_pad, BLOCK_SIZE=k_cache.shape[1],
+            HALF_PAD=half_pad, BLOCK_SIZE=k_cache.shape[1], NORM=qk_norm is not None,
+            SCALE_IN_DTYPE=q.dtype != torch.float32,
             num_warps=_warps(heads_pad * half_pad),
         )  # fmt: skip
     return q

@@ -17,7 +17,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.runner.model_runner import ModelRunner
 from engine.sched.output import ScheduledChunk, SchedulerOutput
-from kernels.layer_ops import TorchOps, TritonOps, select_layer_ops
+from kernels.layer_ops import TorchOps, TritonOps, rms_norm, select_layer_ops
 from tests.engine.engine_fixture import greedy, make_request, prompt_ids, tiny_config
 from tests.engine.hf_tiny import (
     FAMILIES,
@@ -94,43 +94,52 @@ def test_rope_rotates_the_q_and_k_heads_of_a_fused_projection_in_place(dtype) ->
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("nq", "nkv", "head_dim"), [(6, 2, 32), (4, 4, 64), (3, 1, 16)])
+@pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_write_kv_rotates_q_and_writes_the_rotated_k_and_v_at_their_slots(
-    dtype, nq, nkv, head_dim, qk_norm
+    dtype, nq, nkv, head_dim, separate, qk_norm
 ) -> None:
-    """As `rope` on q and k then the K/V write, bit for bit in 16-bit dtypes: q rotated in
-    place; k rotated into the cache, v copied, at each token's slot; a slot of -1 (a graph
-    bucket's padding row) writes nothing; k itself and every other slot stay as they were.
-    q and k as strided views of a fused projection, or (qk_norm: Qwen3) separate tensors."""
-    tokens, blocks, block_size = 7, 3, 4
+    """As (the q/k norms,) `rope` on q and k, then the K/V write, bit for bit in 16-bit
+    dtypes but for the norms' float32 sums: q rotated in place; k rotated into the cache, v
+    copied, at each token's slot; a slot of -1 (a graph bucket's padding row) writes nothing;
+    k itself and every other slot stay as they were. q, k and v as strided views of a fused
+    projection, or separate tensors."""
+    tokens, blocks, block_size, eps = 7, 3, 4, 1e-6
     qkv = rand(tokens, nq + 2 * nkv, head_dim, dtype=dtype)
     q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
-    if qk_norm:
-        q, k = q.contiguous(), k.contiguous()
+    if separate:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cs = rand(tokens, 2, head_dim // 2, dtype=dtype, seed=3)
     cos, sin = cs[:, 0:1], cs[:, 1:2]
     slots = torch.tensor([9, 0, -1, 4, 11, 2, 5], device=DEVICE)
     fill = rand(2, blocks, block_size, nkv, head_dim, dtype=dtype, seed=4)
+    norms = (rand(head_dim, dtype=dtype, seed=5), rand(head_dim, dtype=dtype, seed=6), eps)
     k_before = k.clone()
 
     ref = TorchOps()
-    want_q = ref.rope(q.clone(), cos, sin)
-    want_k = ref.rope(k.clone(), cos, sin)
+    want_q, want_k = q.clone(), k.clone()
+    if qk_norm:
+        want_q, want_k = rms_norm(want_q, norms[0], eps), rms_norm(want_k, norms[1], eps)
+    want_q, want_k = ref.rope(want_q, cos, sin), ref.rope(want_k, cos, sin)
     want = fill.clone().view(2, blocks * block_size, nkv, head_dim)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
             want[0, slot], want[1, slot] = want_k[t], v[t]
 
     cache = fill.clone()
-    got_q = TritonOps().rope_write_kv(q, k, v, cos, sin, (cache[0], cache[1]), slots)
+    got_q = TritonOps().rope_write_kv(
+        q, k, v, cos, sin, (cache[0], cache[1]), slots, norms if qk_norm else None
+    )
     assert got_q.data_ptr() == q.data_ptr()  # in place
     got = cache.view(2, blocks * block_size, nkv, head_dim)
-    if dtype == torch.float32:
+    if dtype == torch.float32 or qk_norm:
         close(got_q, want_q, dtype)
         close(got, want, dtype)
     else:
         assert torch.equal(got_q, want_q) and torch.equal(got, want)
     assert torch.equal(k, k_before)  # only the cache holds k's rotation
+    if not separate:
+        assert torch.equal(qkv[:, nq + nkv :], v)  # v's heads untouched
 
 
 def test_layers_on_fused_ops_write_kv_in_the_rope_kernel_where_the_backend_allows() -> None:

@@ -55,7 +55,7 @@ def test_the_smoke_check_compares_a_fused_rope_and_kv_write_with_rope_then_the_w
     class Fused(TorchOps):  # torch's ops behind the fused entry point: agrees
         fuses_kv_write = True
 
-        def rope_write_kv(self, q, k, v, cos, sin, kv_cache, slot_mapping):
+        def rope_write_kv(self, q, k, v, cos, sin, kv_cache, slot_mapping, qk_norm=None):
             write_kv(self.rope(k, cos, sin), v, *kv_cache, self.slots(slot_mapping))
             return self.rope(q, cos, sin)
 

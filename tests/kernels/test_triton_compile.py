@@ -41,7 +41,8 @@ def test_backend_launches_compile_for_sm90_without_spills(tmp_path: Path):
     names = [u["name"] for u in usages]
     assert any("splits=1" in n for n in names) and any("combine" in n for n in names)
     assert any("rows=64" in n for n in names) and any(n.startswith("kv_write") for n in names)
-    for layer_kernel in ("add_rms_norm ", "rope ", "rope_write_kv ", "silu_mul "):
+    for layer_kernel in ("add_rms_norm ", "rope ", "rope_write_kv ", "rope_write_kv_qk_norm ",
+                         "silu_mul "):  # fmt: skip
         assert sum(n.startswith(layer_kernel) for n in names) == 2, names  # 1B and 8B shapes
     spilled = [u for u in usages if u["stack_bytes"]]
     assert not spilled, spilled
