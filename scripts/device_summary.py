@@ -17,7 +17,7 @@ import httpx
 BASE = "http://127.0.0.1:8000"
 TARGETS = (
     "gpu", "mbu_8b_bs1", "tpot_1b_bs1_speedup_vs_hf", "throughput_8b_bs64_ratio_vs_hf",
-    "prefill_mfu_8b_2k",
+    "prefill_mfu_8b_2k", "prefill_mfu_8b_2k_by_params", "hf_prefill_mfu_8b_2k",
 )  # fmt: skip
 
 
