@@ -10,7 +10,11 @@ speculation only, never a request.
 
 Who speculates: interactive requests; bulk ones only with `SpeculativeConfig.bulk`, and even
 then not while an interactive request decodes (drafting and verifying bulk sequences
-lengthens every step an interactive one shares).
+lengthens every step an interactive one shares). Never a randomly sampled request with a
+`seed`: which tokens rejection sampling keeps depends on the drafts, and those depend on
+how many the policy asks for (from every request's recent steps) and on the proposer's own
+draws, so its output would not repeat with its seed. (A greedy request's output is the
+target's argmax with drafts or without.)
 
 Counters go to the engine's `EngineCounters` (shared), so `engine.counters` shows them.
 Engine thread only.
@@ -23,8 +27,8 @@ import time
 from collections.abc import Collection
 
 from engine.config import SpeculativeConfig
-from engine.request import RequestClass
-from engine.sample.sampler import SampleResult
+from engine.request import RequestClass, SamplingParams
+from engine.sample.sampler import GREEDY_EPS, SampleResult
 from engine.sched.output import ScheduledChunk, SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -62,6 +66,7 @@ class Speculation:
         clear_drafts(seqs)
         if not self.config.bulk or any(s.request_class is RequestClass.INTERACTIVE for s in seqs):
             seqs = [s for s in seqs if s.request_class is RequestClass.INTERACTIVE]
+        seqs = [s for s in seqs if not seeded_random(s.sampling)]
         if not seqs:
             return
         wanted = self.policy.num_tokens(seqs)
@@ -148,6 +153,11 @@ class Speculation:
             verify_seconds=c.verify_seconds,
             proposer_up=int(getattr(self.proposer, "available", True)),
         )
+
+
+def seeded_random(sp: SamplingParams) -> bool:
+    """A randomly sampled request with a seed: it decodes without drafts (module doc)."""
+    return sp.seed is not None and sp.temperature >= GREEDY_EPS
 
 
 def clear_drafts(seqs: list[Sequence]) -> None:

@@ -66,3 +66,30 @@ async def test_chat_streamed_and_not_against_the_real_engine():
         metrics = (await client.get("/metrics")).text
     assert "firstlight_time_to_first_token_seconds_bucket" in metrics
     assert 'firstlight_request_cancelled_total{class="interactive"' in metrics
+
+
+async def test_a_seeded_sampled_request_repeats_with_speculative_decoding_on():
+    """With the demo draft model proposing every step, the same seeded request at
+    temperature 1 gives the same text each time (an unfamiliar prompt: the demo model's
+    distribution is flat there, so drafts would change what rejection sampling keeps), while
+    unseeded requests get drafts."""
+    from app.standalone import build_standalone
+
+    speculative = {"method": "draft_model", "draft_model": "demo-draft", "policy": "fixed"}
+    try:
+        app = build_standalone(Settings(engine={"model": "demo", "speculative": speculative}))
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"engine or demo models not available: {exc}")
+    engine = app.state.firstlight.endpoints.all[0].client.engine
+    body = {"model": "demo", "prompt": "Hello, how", "max_tokens": 24, "temperature": 1.0}
+    async with live_server(app, lifespan="on") as url, httpx.AsyncClient(base_url=url) as client:
+
+        async def text(**extra) -> str:
+            reply = await client.post("/v1/completions", json={**body, **extra})
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["text"]
+
+        await text()
+        assert engine.counters.num_drafts > 0
+        seeded = [await text(seed=1234) for _ in range(4)]
+    assert len(set(seeded)) == 1, seeded

@@ -4,6 +4,7 @@ output equals plain decoding token for token, and rejected drafts leave no KV be
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -181,18 +182,20 @@ def test_a_stop_inside_an_accepted_run_ends_the_request_exactly_there() -> None:
     assert got[-1].finish_reason is FinishReason.LENGTH and tokens(got) == ref[:7]
 
 
-def test_seeded_random_requests_decode_with_drafts() -> None:
-    """A random request verifies drafts by rejection sampling: reproducible with its seed."""
+def test_random_requests_verify_drafts_but_seeded_ones_decode_without() -> None:
+    """An unseeded random request verifies drafts by rejection sampling. A seeded one gets
+    none (which drafts rejection sampling keeps would depend on the proposer and on the
+    policy's other requests): its tokens are the ones a plain engine gives its seed."""
     sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
     prompt = prompt_ids(12, 20)
-    plain = LLMEngine(tiny_config())
-    ref = tokens(_solo(plain, "r", prompt, greedy(24)))
-    runs = []
-    for _ in range(2):
-        proposer = ScriptedProposer({"r": ref}, "mixed")
-        engine = LLMEngine(tiny_config(), proposer=proposer)
-        got = _solo(engine, "r", prompt, sp)
+    ref = tokens(_solo(LLMEngine(tiny_config()), "r", prompt, greedy(24)))
+    want = tokens(_solo(LLMEngine(tiny_config()), "r", prompt, sp))
+    for seed in (3, None):
+        engine = LLMEngine(tiny_config(), proposer=ScriptedProposer({"r": ref}, "mixed"))
+        got = _solo(engine, "r", prompt, replace(sp, seed=seed))
         assert got[-1].finish_reason is FinishReason.LENGTH and len(tokens(got)) == 24
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
-        runs.append(tokens(got))
-    assert runs[0] == runs[1]
+        if seed is None:
+            assert engine.counters.num_drafts > 0
+        else:
+            assert engine.counters.num_drafts == 0 and tokens(got) == want

@@ -4,6 +4,7 @@ is freed with the request; the counters reach the stats and `/metrics`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -126,12 +127,18 @@ def test_the_draft_follows_rollbacks_and_long_catch_ups() -> None:
     assert sorted(narrow.propose(asked)) == ["n0", "n1"]
 
 
-def test_sampled_requests_are_reproducible_with_a_draft_model() -> None:
+def test_seeded_sampled_requests_repeat_with_a_draft_model_and_others_are_drafted() -> None:
+    """Seeded sampled requests decode without drafts, so they give what a plain engine
+    gives; unseeded ones get the draft model's sampled drafts."""
     sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
     params = {rid: sp for rid in PROMPTS}
-    runs = [run_all(LLMEngine(spec_config("draft_model")), params) for _ in range(2)]
-    assert runs[0] == runs[1]
-    assert all(len(t) == 24 for t in runs[0].values())
+    engine = LLMEngine(spec_config("draft_model"))
+    assert run_all(engine, params) == run_all(LLMEngine(tiny_config()), params)
+    assert engine.counters.num_drafts == 0
+    unseeded = {rid: replace(sp, seed=None) for rid in PROMPTS}
+    engine = LLMEngine(spec_config("draft_model"))
+    assert all(len(t) == 24 for t in run_all(engine, unseeded).values())
+    assert engine.counters.num_drafts > 0 and engine.counters.accepted_tokens > 0
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
