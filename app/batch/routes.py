@@ -26,7 +26,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from app.batch.runner import ENDPOINTS
-from app.batch.store import FINAL, BatchRow, BatchStore, FileRow, new_id
+from app.batch.store import FINAL, BatchRow, BatchStore, FileInUse, FileRow, new_id
 from app.openai.body import parse_body
 from app.openai.errors import APIError, bad_request
 from app.settings import BatchSettings
@@ -201,7 +201,17 @@ async def file_content(request: HTTPRequest, file_id: str) -> Response:
 
 async def delete_file(request: HTTPRequest, file_id: str) -> Response:
     store, _ = _store(request)
-    if not store.delete_file(file_id, owner_of(request)):
+    try:
+        deleted = store.delete_file(file_id, owner_of(request))
+    except FileInUse as exc:
+        raise APIError(
+            409,
+            f"file {file_id} is the input of batch {exc.batch_id}, which is still running; "
+            "cancel the batch or wait for it to end first",
+            param="file_id",
+            code="file_in_use",
+        ) from None
+    if not deleted:
         raise _not_found("file", file_id, "file_id")
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 

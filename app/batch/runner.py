@@ -16,7 +16,10 @@ runner left: a restarted runner resumes them) and runs each:
   entry of the error file; an overloaded engine (429) or a missing replica (503) makes the
   line wait and try again; the batch never fails because of a line;
 * cancelling → cancelled, expired past `expires_at` → expired, else completed: the output
-  and error files are written from the stored results (finished lines are kept).
+  and error files are written from the stored results (finished lines are kept);
+* an input file that is gone (the API refuses to delete the input of an active batch, so
+  only by hand) → failed, with the reason in `errors`; a run that raises anything else is
+  logged and tried again after `FAILED_RETRY_S`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from app.batch.store import BatchRow, BatchStore, new_id
+from app.batch.store import ACTIVE, BatchRow, BatchStore, new_id
 from app.metric_snapshot import Snapshot, unlabelled
 from app.openai.complete import complete
 from app.openai.errors import APIError, to_api_error
@@ -39,6 +42,7 @@ from policies.request_class import CLASS_HEADER
 logger = logging.getLogger("firstlight.batch")
 
 RETRY_S = 0.5  # wait before retrying a line the engines could not take
+FAILED_RETRY_S = 30.0  # wait before running again a batch whose run raised
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -58,6 +62,7 @@ class BatchRunner:
         self.poll_s = poll_s
         self.bunch = bunch
         self._running: dict[str, asyncio.Task] = {}
+        self._retry_at: dict[str, float] = {}  # batch id -> monotonic time of its next try
         self._loop_task: asyncio.Task | None = None
         self.in_flight = 0
         self.lines_run = 0  # lines this runner sent to the engines (not counting retries)
@@ -93,12 +98,25 @@ class BatchRunner:
             await asyncio.sleep(self.poll_s)
 
     def poll(self) -> None:
+        now = time.monotonic()
         for batch in self.store.active_batches():
             task = self._running.get(batch.id)
-            if task is None or task.done():
-                self._running[batch.id] = asyncio.create_task(
-                    self.run_batch(batch.id), name=f"batch-{batch.id}"
-                )
+            if (task is None or task.done()) and self._retry_at.get(batch.id, 0.0) <= now:
+                task = asyncio.create_task(self.run_batch(batch.id), name=f"batch-{batch.id}")
+                task.add_done_callback(self._ran)
+                self._running[batch.id] = task
+
+    def _ran(self, task: asyncio.Task) -> None:
+        """A batch's run that raised (the store, say) is logged once and retried after
+        `FAILED_RETRY_S`, not at every poll."""
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        batch_id = task.get_name().removeprefix("batch-")
+        self._retry_at[batch_id] = time.monotonic() + FAILED_RETRY_S
+        logger.error(
+            "batch %s stopped on an error; retrying in %.0f s", batch_id, FAILED_RETRY_S,
+            exc_info=exc,
+        )  # fmt: skip
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -121,7 +139,15 @@ class BatchRunner:
         if batch.status == "validating":
             self.store.set_status(batch_id, "in_progress", only_from=("validating",))
         if batch.status in ("validating", "in_progress"):
-            await self._run_lines(batch)
+            try:
+                await self._run_lines(batch)
+            except FileNotFoundError:  # removed behind the API's back (the API refuses)
+                message = f"the input file {batch.input_file_id} no longer exists"
+                logger.warning("batch %s failed: %s", batch_id, message)
+                error = {"code": "input_file_missing", "message": message,
+                         "param": "input_file_id", "line": None}  # fmt: skip
+                self.store.set_status(batch_id, "failed", only_from=ACTIVE, errors=[error])
+                return
         batch = self.store.get_batch(batch_id, None)
         assert batch is not None
         if batch.status == "cancelling":

@@ -85,6 +85,15 @@ class BatchRow:
     errors: list[dict[str, Any]] | None = None
 
 
+class FileInUse(Exception):
+    """A file an active batch reads cannot be deleted."""
+
+    def __init__(self, file_id: str, batch_id: str) -> None:
+        super().__init__(f"file {file_id} is the input of active batch {batch_id}")
+        self.file_id = file_id
+        self.batch_id = batch_id
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -179,7 +188,23 @@ class BatchStore:
         return rows[:limit], len(rows) > limit
 
     def delete_file(self, file_id: str, owner: str) -> bool:
+        """True once deleted, False when the owner has no such file; `FileInUse` while an
+        active batch reads it (the file is kept: that batch still needs its lines)."""
+        marks = ", ".join("?" * len(ACTIVE))
         with self._tx() as db:
+            user = db.execute(
+                f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({marks})"
+                " ORDER BY created_at LIMIT 1",
+                (file_id, *ACTIVE),
+            ).fetchone()
+            if user is not None:
+                exists = db.execute(
+                    "SELECT 1 FROM files WHERE id = ? AND owner = ? AND deleted = 0",
+                    (file_id, owner),
+                ).fetchone()
+                if exists:
+                    raise FileInUse(file_id, str(user[0]))
+                return False
             deleted = db.execute(
                 "UPDATE files SET deleted = 1 WHERE id = ? AND owner = ? AND deleted = 0",
                 (file_id, owner),

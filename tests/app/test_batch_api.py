@@ -144,6 +144,9 @@ async def test_cancel_stops_a_batch_and_keeps_what_finished(server) -> None:
         while client.batches.retrieve(batch.id).request_counts.completed < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        with pytest.raises(openai.ConflictError) as in_use:  # the batch still reads it
+            client.files.delete(file.id)
+        assert in_use.value.body["param"] == "file_id" and batch.id in in_use.value.message
         cancelling = client.batches.cancel(batch.id)
         assert cancelling.status in ("cancelling", "cancelled")
         done = wait(client, batch.id, ("cancelled",), timeout=30)
@@ -152,6 +155,7 @@ async def test_cancel_stops_a_batch_and_keeps_what_finished(server) -> None:
         assert len({o["custom_id"] for o in finished}) == len(finished)
         with pytest.raises(openai.ConflictError):
             client.batches.cancel(batch.id)
+        assert client.files.delete(file.id).deleted  # the batch has ended
 
     await asyncio.to_thread(run)
 

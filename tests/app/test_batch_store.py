@@ -3,12 +3,17 @@ batch past its completion window ends `expired` with its unrun lines as error en
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from app.batch.runner import BatchRunner
-from app.batch.store import BatchStore, new_id
+from app.batch.store import BatchStore, FileInUse, new_id
 
 
 def test_a_result_is_stored_once_and_counted_once(tmp_path: Path) -> None:
@@ -127,3 +132,49 @@ async def test_lines_start_in_bunches_once_an_eighth_of_the_capacity_is_free(
     await task
     done = store.get_batch(batch.id, None)
     assert done is not None and done.status == "completed" and done.completed == 40
+
+
+def test_the_input_of_an_active_batch_cannot_be_deleted(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    file_id = completion_lines(store, "d", 2)
+    batch = store.add_batch("", file_id, "/v1/completions", "24h", 3600, 2, None)
+    with pytest.raises(FileInUse) as in_use:
+        store.delete_file(file_id, "")
+    assert in_use.value.batch_id == batch.id and store.file_path(file_id).exists()
+    assert store.delete_file(file_id, "someone else") is False  # not theirs: not found
+    store.set_status(batch.id, "cancelled")
+    assert store.delete_file(file_id, "") is True and not store.file_path(file_id).exists()
+
+
+async def test_a_batch_whose_input_is_gone_fails_once_with_the_reason(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    file_id = completion_lines(store, "g", 2)
+    batch = store.add_batch("", file_id, "/v1/completions", "24h", 3600, 2, None)
+    store.file_path(file_id).unlink()  # behind the API's back
+    runner = BatchRunner(store, None, lambda own: 4)  # type: ignore[arg-type]
+    runner.poll()
+    await asyncio.gather(*runner._running.values())
+    failed = store.get_batch(batch.id, None)
+    assert failed is not None and failed.status == "failed" and "failed_at" in failed.times
+    assert failed.errors and failed.errors[0]["code"] == "input_file_missing"
+    runner.poll()  # a failed batch is not active: nothing runs it again
+    assert all(task.done() for task in runner._running.values())
+    assert store.active_batches() == []
+
+
+async def test_a_run_that_raises_is_logged_once_and_retried_later(tmp_path: Path, caplog) -> None:
+    store = BatchStore(tmp_path)
+    file_id = completion_lines(store, "r", 1)
+    store.add_batch("", file_id, "/v1/completions", "24h", 3600, 1, None)
+    runner = BatchRunner(store, None, lambda own: 4)  # type: ignore[arg-type]
+
+    async def broken(batch_id: str) -> None:
+        raise sqlite3.OperationalError("database is locked")
+
+    runner.run_batch = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="firstlight.batch"):
+        for _ in range(3):  # three polls in a row: one run, then the back-off holds
+            runner.poll()
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+    assert caplog.text.count("stopped on an error") == 1
