@@ -12,6 +12,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
 from app.errors import error_response
 from app.openai.errors import APIError, bad_request, to_api_error
 
@@ -71,6 +73,8 @@ class EdgeMiddleware:
             await self.app(scope, receive, send_with_id)
         except APIError as exc:  # raised by _limit_body, before the app ran
             await error_response(exc)(scope, receive, send_with_id)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            logger.info("request %s: the client disconnected before its body ended", request_id)
         except Exception as exc:
             logger.exception("request %s failed", request_id)
             if not started:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible FastAPI app: `/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, `/health`, `/metrics`.
+`/v1/models` (and `/v1/models/{model}`), `/health`, `/metrics`.
 
 `build_app(endpoints, settings)` is the whole surface: the same app serves bare mode (an
 in-process `AsyncEngine`, see `app.standalone`) and Ray Serve mode (endpoints whose client
@@ -97,6 +97,7 @@ def build_app(
     app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes, large_bodies=large)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", retrieve_model, methods=["GET"])
     app.add_api_route("/metrics", render_metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
@@ -116,6 +117,11 @@ async def health() -> Response:
 
 async def list_models(request: HTTPRequest) -> Response:
     return JSONResponse({"object": "list", "data": [e.card() for e in _ctx(request).endpoints.all]})
+
+
+async def retrieve_model(request: HTTPRequest, model: str) -> Response:
+    """One `/v1/models` entry by name or alias (404 `model_not_found` otherwise)."""
+    return JSONResponse(_ctx(request).endpoints.resolve(model).card())
 
 
 async def render_metrics(request: HTTPRequest) -> Response:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.errors import InvalidRequest
 from engine.request import FinishReason
 from tests.app.fakes import FakeEngine, Script, queue_full, unavailable
@@ -170,3 +172,56 @@ async def test_error_in_first_output_of_a_stream_is_still_an_http_status():
     script = Script(pieces=("a",), finish=FinishReason.ABORT)
     response, _ = await request(FakeEngine(script=script), json=chat_body(stream=True))
     assert error_of(response, 503)["code"] == "engine_error"
+
+
+async def test_a_client_gone_mid_body_is_one_info_line(caplog):
+    """Headers announce 500 bytes, 9 arrive, the socket closes: nobody to answer, and the
+    log says so in one INFO line, no traceback; the next request is served."""
+    import asyncio
+    import logging
+    from urllib.parse import urlparse
+
+    import httpx
+
+    from tests.app.helpers import live_server
+
+    app, _ = make_app()
+    with caplog.at_level(logging.INFO, logger="firstlight.app"):
+        async with live_server(app) as url:
+            address = urlparse(url)
+            _, writer = await asyncio.open_connection(address.hostname, address.port)
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"model":'
+            )
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.close()
+            await writer.wait_closed()
+            for _ in range(100):
+                if "before its body ended" in caplog.text:
+                    break
+                await asyncio.sleep(0.02)
+            async with httpx.AsyncClient(base_url=url) as client:
+                assert (
+                    await client.post("/v1/chat/completions", json=chat_body())
+                ).status_code == 200
+    gone = [r for r in caplog.records if "before its body ended" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].levelno == logging.INFO and gone[0].exc_info is None
+    assert not any(r.exc_info for r in caplog.records), caplog.text
+
+
+async def test_models_are_listed_and_retrieved_through_the_sdk():
+    import openai
+
+    from tests.app.helpers import MODEL, live_server
+
+    app, _ = make_app()
+    async with live_server(app) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        listed = [m.id async for m in client.models.list()]
+        model = await client.models.retrieve(MODEL)
+        assert listed == [MODEL] and model.id == MODEL and model.object == "model"
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.models.retrieve("nope")
+        assert missing.value.body["code"] == "model_not_found"
