@@ -13,23 +13,39 @@ normalized here so the rest of the app sees one form. Responses are plain dicts 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from engine.errors import InvalidRequest
 from engine.request import SamplingParams
+
+MAX_STOP = 32  # stop strings a request may give (OpenAI: 4); each is matched at every token
+MAX_STOP_CHARS = 1024
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "batch")  # flex, batch: bulk
 
 
 def _stop(value: Any) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        value = [value]
+    if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        raise PydanticCustomError("stop_type", "must be a string, a list of strings or null")
+    if len(value) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in value):
+        raise PydanticCustomError(
+            "stop_size",
+            f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters each",
+        )
+    return value
+
+
+def _service_tier(value: Any) -> Any:
+    if value is None or (isinstance(value, str) and value.lower() in SERVICE_TIERS):
         return value
-    raise PydanticCustomError("stop_type", "must be a string, a list of strings or null")
+    raise PydanticCustomError("service_tier", f"must be one of {', '.join(SERVICE_TIERS)}")
 
 
 def _content(value: Any) -> Any:
@@ -64,7 +80,7 @@ Stop = Annotated[list[str], BeforeValidator(_stop)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # accepted, ignored
@@ -73,16 +89,26 @@ class StreamOptions(BaseModel):
 class ChatMessage(BaseModel):
     """Extra keys (`name`, `tool_calls`, ...) are kept and handed to the chat template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]  # the tuple's strings
     content: Annotated[str | list[dict[str, Any]] | None, BeforeValidator(_content)] = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: Any, info: ValidationInfo) -> Any:
+        """Only an assistant turn (tool calls instead) or a tool/function result may be
+        null."""
+        if content is None and info.data.get("role") in ("system", "developer", "user"):
+            raise PydanticCustomError("content_missing", "a message of this role needs content")
+        return content
 
 
 class _GenerationRequest(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    # strict: "n": "2" or "stream": "yes" is a 400, as OpenAI answers (an int passes as a float)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     stream: bool = False
@@ -104,7 +130,7 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
+    service_tier: Annotated[str | None, BeforeValidator(_service_tier)] = None
 
     @property
     def include_usage(self) -> bool:
@@ -162,11 +188,26 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def logprobs_k(self) -> int | None:
         """Engine `logprobs`: None for none, else the number of alternatives (may be 0)."""
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequest("top_logprobs", "top_logprobs must be in [0, 20]")
         if not self.logprobs:
             if self.top_logprobs:
                 raise InvalidRequest("top_logprobs", "top_logprobs requires logprobs: true")
             return None
         return self.top_logprobs or 0
+
+    def sampling_params(
+        self, *, max_tokens: int, logprobs: int | None, seed: int | None
+    ) -> SamplingParams:
+        """As for completions; a bad token limit names `max_completion_tokens` when that is
+        the field the client set."""
+        try:
+            return super().sampling_params(max_tokens=max_tokens, logprobs=logprobs, seed=seed)
+        except InvalidRequest as exc:
+            if exc.param == "max_tokens" and self.max_completion_tokens is not None:
+                message = exc.message.replace("max_tokens", "max_completion_tokens")
+                raise InvalidRequest("max_completion_tokens", message) from None
+            raise
 
 
 class CompletionRequest(_GenerationRequest):

@@ -45,6 +45,9 @@ async def test_wrong_types_are_400_never_422_and_name_the_param():
         "stop": chat_body(stop=[1, 2]),
         "stream": chat_body(stream="maybe"),
         "max_tokens": chat_body(max_tokens="many"),
+        "n": chat_body(n="2"),  # strict: OpenAI refuses a string or a bool for a number
+        "logprobs": chat_body(logprobs="yes"),
+        "stream_options.include_usage": chat_body(stream_options={"include_usage": 1}),
     }
     for param, body in cases.items():
         response, engine = await request(json=body)
@@ -62,7 +65,14 @@ async def test_bad_values_are_400_with_the_param():
         "max_tokens": chat_body(max_tokens=0),
         "n": chat_body(n=0),
         "min_tokens": chat_body(min_tokens=50, max_tokens=10),
-        "logprobs": chat_body(logprobs=True, top_logprobs=50),
+        "top_logprobs": chat_body(logprobs=True, top_logprobs=50),
+        "max_completion_tokens": chat_body(max_completion_tokens=-3),
+        "stop": chat_body(stop=[f"s{i}" for i in range(33)]),
+        "service_tier": chat_body(service_tier="platinum"),
+        "messages[0].role": chat_body(messages=[{"role": "wizard", "content": "hi"}]),
+        "messages[1].content": chat_body(
+            messages=[{"role": "system", "content": "x"}, {"role": "user", "content": None}]
+        ),
     }
     for param, body in cases.items():
         response, _ = await request(json=body)

@@ -70,8 +70,10 @@ async def test_sampling_is_validated_before_any_tokenization():
     for field, value in (("top_p", 5), ("temperature", -1), ("min_tokens", 500)):
         error = await refused(layer, chat(**{field: value}))
         assert error.param == field
-    error = await refused(layer, chat(logprobs=True, top_logprobs=50))
-    assert error.param == "logprobs"
+    for top in (50, -1):  # named as sent, not as the engine's `logprobs`
+        assert (await refused(layer, chat(logprobs=True, top_logprobs=top))).param == "top_logprobs"
+    error = await refused(layer, chat(max_completion_tokens=-3))
+    assert error.param == "max_completion_tokens" and "max_completion_tokens" in error.message
     assert tokenizer.encoded == []
 
 
