@@ -30,6 +30,7 @@ from app.metric_snapshot import Snapshot
 from app.metrics import CONTENT_TYPE, Metrics
 from app.middleware import EdgeMiddleware
 from app.openai.body import parse_body
+from app.openai.errors import Refused
 from app.openai.prepare import OpenAILayer, Route
 from app.playground.routes import install_playground
 from app.settings import Settings
@@ -143,8 +144,13 @@ async def _generate(request: HTTPRequest, route: Route) -> Response:
     arrival = time.monotonic()
     ctx = _ctx(request)
     body = parse_body(await request.body())
-    work = await ctx.layer.prepare(
-        route, body, headers=request.headers, request_id=request.state.request_id
-    )
+    try:
+        work = await ctx.layer.prepare(
+            route, body, headers=request.headers, request_id=request.state.request_id
+        )
+    except Refused as refused:  # overloaded: counted like a job that failed
+        labels = ctx.metrics.labels(refused.model, refused.request_class, refused.tags)
+        ctx.metrics.record_error(labels, refused.code or "refused")
+        raise
     labels = ctx.metrics.labels(work.endpoint.name, work.request_class.value, work.tags)
     return await run_job(Job(work, labels, Trace(arrival)), ctx.runtime, request.receive)

@@ -58,6 +58,22 @@ class EngineRequestError(APIError):
         super().__init__(status, message, type="server_error", code="engine_error")
 
 
+class Refused(APIError):
+    """An overload refusal (429) of a request whose model, class and tags are known: the
+    route counts it in `firstlight_request_error_total` as it would a failed job."""
+
+    def __init__(
+        self, error: APIError, model: str, request_class: str, tags: Mapping[str, str]
+    ) -> None:
+        super().__init__(
+            error.status, error.message, type=error.type, param=error.param, code=error.code,
+            headers=error.headers,
+        )  # fmt: skip
+        self.model = model
+        self.request_class = request_class
+        self.tags = dict(tags)
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 

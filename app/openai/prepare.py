@@ -30,7 +30,13 @@ from pydantic import BaseModel, ValidationError
 
 from app.endpoint import Endpoints, ModelEndpoint
 from app.openai.body import check_body
-from app.openai.errors import bad_request, from_invalid, from_validation_errors, to_api_error
+from app.openai.errors import (
+    Refused,
+    bad_request,
+    from_invalid,
+    from_validation_errors,
+    to_api_error,
+)
 from app.openai.prompts import encode_chat, encode_text
 from app.openai.render import ChatRenderer, CompletionRenderer, Renderer
 from app.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -186,7 +192,8 @@ class OpenAILayer:
         try:  # last, before any tokenizing: an overloaded server refuses at once
             endpoint.client.check_admission(request_class, wanted)
         except QueueFull as exc:
-            raise to_api_error(exc) from None
+            error = to_api_error(exc)
+            raise Refused(error, endpoint.name, request_class.value, params.tags()) from None
         return endpoint, request_class, base
 
 

@@ -86,6 +86,18 @@ async def test_bulk_flood_leaves_interactive_room_and_retry_after_is_the_decisio
             full = await post(stream=True)
             assert full.status_code == 429
             assert full.headers["retry-after"] == "2"  # one must leave first, at 0.5 per second
+            metrics = (await client.get("/metrics")).text  # both refusals counted, by class
+            refusals = {
+                cls: sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in metrics.splitlines()
+                    if line.startswith("firstlight_request_error_total{")
+                    and 'code="queue_full"' in line
+                    and f'class="{cls}"' in line
+                )
+                for cls in ("bulk", "interactive")
+            }
+            assert refusals == {"bulk": 1.0, "interactive": 1.0}, metrics
 
             gate.open()
             answers = await asyncio.gather(*admitted)
