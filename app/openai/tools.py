@@ -15,9 +15,12 @@ and their templates speak::
   to be tool calls (one or more, or exactly one when `parallel_tool_calls` is false or a
   function is named), each naming a given tool with arguments valid for its `parameters`.
 
-A reply with calls finishes with `"tool_calls"`. Streamed, each call arrives as OpenAI's
-`delta.tool_calls` chunks: first `{index, id, type, function: {name, arguments: ""}}`, then
-the arguments' JSON text in fragments as the model writes it (`ToolCallStream`).
+A reply is read the same way streamed or not (`ToolCallStream`; `split_tool_calls` feeds it
+the whole text), so both give the same calls and content. A block's end is found by reading
+its JSON, never by searching for `</tool_call>`, which may sit inside a string. A reply with
+at least one call finishes with `"tool_calls"`. Streamed, a call is sent once its block has
+closed and parsed, as one `delta.tool_calls` entry `{index, id, type, function: {name,
+arguments}}` with the whole arguments: a call is never announced and then found malformed.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import json
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from app.openai.errors import bad_request
@@ -34,10 +37,12 @@ from app.openai.structured import checked_schema
 from engine.structured.grammar import Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
-_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ARGS = re.compile(r'"arguments"\s*:\s*')
-_FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# A forced call is JSON laid out as chat templates write calls (`tojson`, Python's
+# `json.dumps`): ", " and ": " between tokens, no other whitespace. Tool-use models learned
+# that layout; forced into the compact one they leave it (the demo model, made to write
+# `{"order_id":"`, went on with `}}</tool_call>` inside the string).
+_CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +85,7 @@ class ToolUse:
             for f in named
         ]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        schema = {**schema, "x-guidance": _CALL_JSON}
         repeat = "+" if self.parallel and self.choice == "required" else ""
         lark = (
             f"start: call{repeat}\n"
@@ -120,7 +125,7 @@ def _function(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(fn, dict):
         raise bad_request("a tool needs a 'function' object", f"{param}.function")
     name = fn.get("name")
-    if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
+    if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
         raise bad_request(
             "a function name must be 1-64 letters, digits, underscores or dashes",
             f"{param}.function.name",
@@ -162,165 +167,170 @@ def new_call_id() -> str:
 
 
 def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole reply → (the content left, the tool calls). Blocks that do not parse as a
-    call with a string name and object arguments stay in the content."""
-    calls: list[dict[str, Any]] = []
-    content: list[str] = []
-    last = 0
-    for match in _BLOCK.finditer(text):
-        call = _call(match.group(1))
-        if call is None:
-            continue
-        content.append(text[last : match.start()])
-        last = match.end()
-        calls.append(call)
-    content.append(text[last:])
-    left = "".join(content)
-    if calls:
-        left = left.strip()
-    return (left or None) if calls else text, calls
-
-
-def _call(body: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", {})
-    if isinstance(arguments, str):
-        arguments_text = arguments
-    else:
-        arguments_text = json.dumps(arguments, ensure_ascii=False)
-    return {
-        "id": new_call_id(),
-        "type": "function",
-        "function": {"name": value["name"], "arguments": arguments_text},
-    }
-
-
-@dataclass(slots=True)
-class _Call:
-    index: int
-    body: str = ""
-    announced: bool = False
-    args_at: int = -1  # offset in `body` where the arguments' JSON starts
-    scanned: int = 0  # offset in `body` up to which the arguments were emitted
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
-    done: bool = False  # the arguments' JSON value ended
+    """A whole reply → (the content left, the tool calls): exactly what `ToolCallStream`
+    streams for the same text, so a streamed and a whole reply agree. Without calls the
+    content is `text` unchanged."""
+    stream = ToolCallStream()
+    content, deltas = stream.feed(text, final=True)
+    if not deltas:
+        return text, []
+    calls = [{"id": d["id"], "type": "function", "function": d["function"]} for d in deltas]
+    return content or None, calls
 
 
 @dataclass(slots=True)
 class ToolCallStream:
-    """One streamed choice's text → (content to emit now, `delta.tool_calls` entries).
+    """One choice's text, fed as it arrives → (content to emit now, `delta.tool_calls`).
 
-    Text that might be the start of `<tool_call>` is held back until it is known not to be;
-    inside a block, the call is announced once its name is read and its arguments are
-    emitted as they arrive (a JSON scanner finds where they end)."""
+    A block is `<tool_call>`, whitespace, a JSON object, whitespace, `</tool_call>`; its end
+    is found by scanning the JSON (strings, escapes, nesting), so a `</tool_call>` inside a
+    string does not end it. A block is a call when its object has a function `name` and
+    object `arguments` (or a JSON string of one; none means `{}`). Only then is it emitted,
+    as one entry with the id, the name and the whole arguments, and counted in `num_calls`;
+    anything else (malformed JSON, no closing tag, a reply that ends inside the block) is
+    content, verbatim up to where it failed, and reading goes on from there. Whitespace
+    between content and a call is dropped. Held back until decided: an open block, text that
+    may begin `<tool_call>`, and trailing whitespace (a call may follow it)."""
 
-    pending: str = ""
-    call: _Call | None = None
-    num_calls: int = 0
-    content_seen: bool = False
-    _ids: list[str] = field(default_factory=list)
+    pending: str = ""  # undecided text; an open block's from its `<tool_call>` on
+    num_calls: int = 0  # calls emitted
+    held: str = ""  # trailing whitespace of the content so far
+    after_call: bool = False  # the next content's leading whitespace is dropped
+    scan: _BlockScan | None = None  # the open block (`pending` starts with it)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self.pending += text
         content: list[str] = []
         deltas: list[dict[str, Any]] = []
         while self.pending:
-            if self.call is None:
+            if self.scan is None:
                 at = self.pending.find(OPEN)
                 if at < 0:
-                    keep = 0 if final else _partial_suffix(self.pending, OPEN)
-                    content.append(self.pending[: len(self.pending) - keep])
-                    self.pending = self.pending[len(self.pending) - keep :]
-                    break
-                content.append(self.pending[:at])
-                self.pending = self.pending[at + len(OPEN) :]
-                self.call = _Call(self.num_calls)
+                    at = len(self.pending) - (0 if final else _partial_suffix(self.pending))
+                self._content(content, self.pending[:at])
+                self.pending = self.pending[at:]
+                if not self.pending.startswith(OPEN):
+                    break  # nothing left, or what may begin a block
+                self.scan = _BlockScan()
+            end = self.scan.read(self.pending, final)
+            if end is None:
+                break  # the block goes on past the text so far
+            call = self.scan.call(self.pending) if self.scan.closed else None
+            if call is None:  # not a call: content up to where that was decided
+                self._content(content, self.pending[:end])
+            else:
+                entry = {"index": self.num_calls, "id": new_call_id(), "type": "function"}
+                deltas.append({**entry, "function": call})
                 self.num_calls += 1
-                continue
-            end = self.pending.find(CLOSE)
-            piece = self.pending if end < 0 else self.pending[:end]
-            if end < 0 and not final:
-                keep = _partial_suffix(piece, CLOSE)
-                piece = piece[: len(piece) - keep]
-                self.pending = self.pending[len(piece) :]
-            else:
-                self.pending = "" if end < 0 else self.pending[end + len(CLOSE) :]
-            self.call.body += piece
-            deltas.extend(self._advance(self.call))
-            if end >= 0 or final:
-                self.call = None
-            else:
-                break
-        text_out = "".join(content)
-        if self.num_calls and not self.content_seen:
-            text_out = text_out.strip()  # whitespace around calls is not content
-        if text_out.strip():
-            self.content_seen = True
-        return text_out, deltas
+                self.held, self.after_call = "", True
+            self.pending, self.scan = self.pending[end:], None
+        if final:
+            content.append(self.held)
+            self.held = ""
+        return "".join(content), deltas
 
-    def _advance(self, call: _Call) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if not call.announced:
-            name = _NAME.search(call.body)
-            if name is None:
-                return out
-            call.announced = True
-            self._ids.append(new_call_id())
-            out.append({
-                "index": call.index,
-                "id": self._ids[-1],
-                "type": "function",
-                "function": {"name": json.loads(f'"{name.group(1)}"'), "arguments": ""},
-            })  # fmt: skip
-        if call.args_at < 0:
-            found = _ARGS.search(call.body)
-            if found is None:
-                return out
-            call.args_at = call.scanned = found.end()
-        if call.done:
-            return out
-        start = call.scanned
-        for i in range(start, len(call.body)):
-            ch = call.body[i]
-            call.scanned = i + 1
-            if start == i and call.depth == 0 and not call.in_string and ch.isspace():
-                start = i + 1  # whitespace before the value is not part of the arguments
-                continue
-            if call.in_string:
-                if call.escaped:
-                    call.escaped = False
+    def _content(self, out: list[str], text: str) -> None:
+        """Adds `text` to the content, holding back its trailing whitespace."""
+        if self.after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self.after_call = False
+        text = self.held + text
+        kept = text.rstrip()
+        self.held = text[len(kept) :]
+        out.append(kept)
+
+
+@dataclass(slots=True)
+class _BlockScan:
+    """Reads one block as its text grows: where its JSON object starts and ends (brackets
+    matched outside strings) and whether `</tool_call>` follows."""
+
+    at: int = len(OPEN)  # offset up to which the block was read
+    start: int = -1  # offset of the object's `{`
+    end: int = -1  # offset just past the object
+    brackets: str = ""  # the open ones, innermost last
+    in_string: bool = False
+    escaped: bool = False
+    closed: bool = False  # `</tool_call>` followed the object
+
+    def read(self, block: str, final: bool) -> int | None:
+        """`block` (the text of the last call, maybe longer) → where the block is decided:
+        just past `</tool_call>` (then `closed`), or where it fails to be a block; None
+        while the text so far may still become one."""
+        while self.at < len(block):
+            ch = block[self.at]
+            if self.end >= 0:  # after the object: whitespace, then the closing tag
+                if ch.isspace():
+                    self.at += 1
+                    continue
+                rest = block[self.at : self.at + len(CLOSE)]
+                if rest == CLOSE:
+                    self.closed = True
+                    return self.at + len(CLOSE)
+                if not final and CLOSE.startswith(rest):
+                    return None
+                return self.end
+            self.at += 1
+            if self.start < 0:  # before the object: whitespace, then `{`
+                if ch == "{":
+                    self.start, self.brackets = self.at - 1, "{"
+                elif not ch.isspace():
+                    return self.at - 1
+            elif self.in_string:
+                if self.escaped:
+                    self.escaped = False
                 elif ch == "\\":
-                    call.escaped = True
+                    self.escaped = True
                 elif ch == '"':
-                    call.in_string = False
-                    if call.depth == 0:  # the arguments were a bare string
-                        call.done = True
-                        break
+                    self.in_string = False
             elif ch == '"':
-                call.in_string = True
+                self.in_string = True
             elif ch in "{[":
-                call.depth += 1
+                self.brackets += ch
             elif ch in "}]":
-                call.depth -= 1
-                if call.depth <= 0:
-                    call.done = True
-                    break
-        fragment = call.body[start : call.scanned]
-        if fragment:
-            out.append({"index": call.index, "function": {"arguments": fragment}})
-        return out
+                if _PAIRS[ch] != self.brackets[-1]:
+                    return self.at  # mismatched: the JSON is broken here
+                self.brackets = self.brackets[:-1]
+                if not self.brackets:
+                    self.end = self.at
+        return len(block) if final else None
+
+    def call(self, block: str) -> dict[str, str] | None:
+        """The call of a whole block: {"name", "arguments" (JSON text)}; None if none."""
+        value = _json(block[self.start : self.end])
+        if not isinstance(value, dict):
+            return None
+        name, arguments = value.get("name"), value.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = _json(arguments)
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
+_PAIRS = {"}": "{", "]": "["}
+
+
+def _json(text: str) -> Any:
+    """`text` parsed as JSON (control characters allowed in strings; NaN and Infinity not,
+    as a client's parser refuses them); None when it is not JSON."""
+    try:
+        return json.loads(text, strict=False, parse_constant=_no_constant)
+    except ValueError:
+        return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _partial_suffix(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `<tool_call>`."""
+    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if text.endswith(OPEN[:n]):
             return n
     return 0

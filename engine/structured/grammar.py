@@ -10,9 +10,10 @@ Kinds, and what they take as `source`:
                                           schema); the tool-call grammars are built this way
 
 JSON is written compactly (no whitespace between tokens): a flexible-whitespace grammar lets
-a model emit newlines forever, and no client parses JSON by its layout. `param` names the
-request parameter the grammar came from, so a grammar that fails to compile is refused with
-a 400 naming it.
+a model emit newlines forever, and no client parses JSON by its layout. (The tool-call
+grammars of `app.openai.tools` fix another layout, the one chat templates write calls in.)
+`param` names the request parameter the grammar came from, so a grammar that fails to
+compile is refused with a 400 naming it.
 """
 
 from __future__ import annotations

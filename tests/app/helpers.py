@@ -1,5 +1,6 @@
-"""Builders for HTTP-layer tests: an app over a `FakeEngine`, an in-process client, a real
-uvicorn server on 127.0.0.1, and an SSE body parser that insists on exact framing."""
+"""Builders for HTTP-layer tests: an app over a `FakeEngine` or over the real engine and the
+demo model, an in-process client, a real uvicorn server on 127.0.0.1, and an SSE body parser
+that insists on exact framing."""
 
 from __future__ import annotations
 
@@ -40,6 +41,34 @@ def make_app(
         max_requests=max_requests,
     )
     return build_app([endpoint], Settings(**settings)), engine
+
+
+def demo_app(**engine: Any) -> FastAPI:
+    """The bare-mode app over the real engine and the demo model (`engine`: settings on
+    top of `model: demo`); skips the test while the engine or the demo model is missing.
+    One per test: the engine loop lives and dies with the test's event loop."""
+    import pytest
+
+    try:
+        from app.standalone import build_standalone
+
+        return build_standalone(Settings(engine={"model": "demo", **engine}))
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"engine or demo model not available: {exc}")
+
+
+def sdk_client(url: str) -> Any:
+    """The OpenAI SDK's async client on the server at `url`, validating every response
+    against the SDK's own types (no retries: a failure shows as it happened)."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=True,
+    )
 
 
 def make_client(app: FastAPI) -> httpx.AsyncClient:

@@ -9,23 +9,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.settings import Settings
-from tests.app.helpers import live_server, parse_sse, wait_until
+from tests.app.helpers import demo_app, live_server, parse_sse, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-def build_or_skip():
-    try:
-        from app.standalone import build_standalone
-
-        return build_standalone(Settings(engine={"model": "demo"}))
-    except (ImportError, FileNotFoundError) as exc:
-        pytest.skip(f"engine or demo model not available: {exc}")
-
-
 async def test_chat_streamed_and_not_against_the_real_engine():
-    app = build_or_skip()
+    app = demo_app()
     engine = app.state.firstlight.endpoints.all[0].client
     question = [{"role": "user", "content": "Can I pause my annual subscription?"}]
     async with live_server(app, lifespan="on") as url, httpx.AsyncClient(base_url=url) as client:
@@ -73,13 +63,8 @@ async def test_a_seeded_sampled_request_repeats_with_speculative_decoding_on():
     temperature 1 gives the same text each time (an unfamiliar prompt: the demo model's
     distribution is flat there, so drafts would change what rejection sampling keeps), while
     unseeded requests get drafts."""
-    from app.standalone import build_standalone
-
     speculative = {"method": "draft_model", "draft_model": "demo-draft", "policy": "fixed"}
-    try:
-        app = build_standalone(Settings(engine={"model": "demo", "speculative": speculative}))
-    except (ImportError, FileNotFoundError) as exc:
-        pytest.skip(f"engine or demo models not available: {exc}")
+    app = demo_app(speculative=speculative)
     engine = app.state.firstlight.endpoints.all[0].client.engine
     body = {"model": "demo", "prompt": "Hello, how", "max_tokens": 24, "temperature": 1.0}
     async with live_server(app, lifespan="on") as url, httpx.AsyncClient(base_url=url) as client:

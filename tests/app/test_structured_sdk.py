@@ -17,9 +17,8 @@ import pytest
 from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 
-from app.settings import Settings
 from demo.tools import LOOKUP_ORDER
-from tests.app.helpers import live_server
+from tests.app.helpers import demo_app, live_server, sdk_client
 
 pytestmark = pytest.mark.slow
 
@@ -60,23 +59,13 @@ class Ticket(BaseModel):
 
 
 @pytest.fixture
-def app():  # one per test: the engine loop lives and dies with the event loop
-    try:
-        from app.standalone import build_standalone
-
-        return build_standalone(Settings(engine={"model": "demo"}))
-    except (ImportError, FileNotFoundError) as exc:
-        pytest.skip(f"engine or demo model not available: {exc}")
+def app():
+    return demo_app()
 
 
 async def _client(url: str) -> AsyncOpenAI:
-    return AsyncOpenAI(
-        base_url=f"{url}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=120,
-        _strict_response_validation=True,
-    )
+    client: AsyncOpenAI = sdk_client(url)
+    return client
 
 
 async def test_json_mode_and_schemas_validate_streamed_and_not(app):
