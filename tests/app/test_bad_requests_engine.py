@@ -8,8 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.app.helpers import live_server
-from tests.app.test_standalone_engine import build_or_skip
+from tests.app.helpers import demo_app, live_server
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +24,7 @@ def error_of(response: httpx.Response) -> dict:
 
 
 async def test_no_bad_request_hurts_the_engine():
-    app = build_or_skip()
+    app = demo_app()
     endpoint = app.state.firstlight.endpoints.all[0]
     scheduler = endpoint.client.engine.config.scheduler
     # what the lead wires up in bare mode and the ingress: more could never be admitted
