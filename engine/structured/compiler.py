@@ -54,6 +54,7 @@ class GrammarCompiler:
         import llguidance.hf
 
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         self.mask_words = (vocab_size + 31) // 32
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids)

@@ -136,7 +136,7 @@ class GrammarStates:
         constrained = [c for c in chunks if c.seq.request_id in self._matchers]
         for chunk, (matcher, drafts) in zip(constrained, plan, strict=True):
             try:
-                _fill(matcher, drafts, bits[i : i + len(drafts) + 1])
+                _fill(matcher, drafts, bits[i : i + len(drafts) + 1], self.compiler.eos_token_ids)
             except Exception as exc:  # this request's grammar only
                 errors[chunk.seq.request_id] = f"the output grammar failed: {exc}"
             i += len(drafts) + 1
@@ -166,6 +166,8 @@ class GrammarStates:
         if matcher is None:
             return len(tokens), False
         for i, token in enumerate(tokens):
+            if matcher.is_error():  # llguidance counts an error as stopped: never "complete"
+                raise GrammarViolation(f"the output grammar failed: {matcher.get_error()}")
             if matcher.is_stopped():
                 return i, True
             if token in eos_token_ids and matcher.is_accepting():
@@ -177,22 +179,35 @@ class GrammarStates:
         return len(tokens), matcher.is_stopped()
 
 
-def _fill(matcher: Any, drafts: list[int], out: torch.Tensor) -> None:
-    """Masks for the position before each draft and after the last the grammar accepts."""
+def _fill(
+    matcher: Any, drafts: list[int], out: torch.Tensor, eos_token_ids: tuple[int, ...] = ()
+) -> None:
+    """Masks for the position before each draft and after the last the grammar accepts;
+    the matcher is left as it was found. Raises GrammarViolation when the grammar has failed
+    (llguidance then writes a mask of EOS alone: sampled, it would end the request as if the
+    output were complete)."""
     if matcher.is_error():
         raise GrammarViolation(matcher.get_error())
     words = out.shape[1] * 4
     matcher.unsafe_compute_mask_ptr(out[0].data_ptr(), words)
-    if not drafts:
-        return
-    valid = matcher.validate_tokens(drafts)
-    consumed = 0
-    try:
-        for j in range(valid):
-            if not matcher.consume_token(drafts[j]):
-                break
-            consumed += 1
-            matcher.unsafe_compute_mask_ptr(out[j + 1].data_ptr(), words)
-    finally:
-        if consumed:
-            matcher.rollback(consumed)
+    if drafts:
+        valid = matcher.validate_tokens(drafts)
+        consumed = 0
+        try:
+            for j in range(valid):
+                if matcher.is_stopped() or drafts[j] in eos_token_ids:
+                    # Nothing after an EOS is kept, so the rows after it need no mask of their
+                    # own; and a stopped matcher takes an EOS without recording it, so counting
+                    # it would roll back one real token too many (the grammar would then lag
+                    # the output by a token: a lost quote, and the JSON is off by one string).
+                    out[j + 1 :] = out[j]
+                    break
+                if not matcher.consume_token(drafts[j]):
+                    break
+                consumed += 1
+                matcher.unsafe_compute_mask_ptr(out[j + 1].data_ptr(), words)
+        finally:
+            if consumed and not matcher.rollback(consumed):
+                raise GrammarViolation(f"the grammar could not roll back: {matcher.get_error()}")
+    if matcher.is_error():  # failed while computing a mask
+        raise GrammarViolation(matcher.get_error())

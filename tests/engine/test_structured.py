@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
+from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 from engine.errors import InvalidRequest
 from engine.llm_engine import LLMEngine
@@ -15,6 +18,7 @@ from engine.request import FinishReason, SamplingParams
 from engine.sequence import Sequence
 from engine.spec.proposer import Draft
 from engine.structured.grammar import Grammar
+from engine.structured.masks import GrammarStates
 from tests.engine.engine_fixture import make_request, prompt_ids, tiny_config
 
 SCHEMA = {
@@ -221,3 +225,70 @@ class _Broken:
 
     def unsafe_compute_mask_ptr(self, *args) -> None:
         raise RuntimeError("mask computation exploded")
+
+
+STRING_A = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
+def _chunk(request_id: str, drafts: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(seq=SimpleNamespace(request_id=request_id), spec_token_ids=drafts)
+
+
+@pytest.mark.parametrize("prefix", ['{"a":"', '{"a":"xy'])
+def test_drafts_that_end_the_grammar_then_eos_leave_the_matcher_as_it_was(engine, prefix):
+    """Drafts that complete the grammar and go on with EOS (what a draft model writes after
+    a closing brace) leave the matcher where it was, whatever verification keeps. llguidance
+    takes an EOS on a stopped matcher without recording it: counted as consumed, the
+    rollback took one real token too many, and later tokens were matched against the output
+    less that token (invalid JSON finishing "stop", or a spurious grammar error)."""
+    encode = engine.tokenizer.encode
+    eos = engine.eos_token_ids[0]
+    states = GrammarStates(engine.grammars().compiler)
+    states.add("r", Grammar.json_schema(STRING_A))
+    ids = encode(prefix, add_special_tokens=False)
+    assert states.advance("r", ids, engine.eos_token_ids) == (len(ids), False)
+    before, _ = states.masks([_chunk("r", [])])
+    close = encode('"}', add_special_tokens=False)
+    mask, errors = states.masks([_chunk("r", [*close, eos, eos])])
+    assert not errors and mask is not None and before is not None
+    after, _ = states.masks([_chunk("r", [])])
+    assert after is not None and torch.equal(after.bits, before.bits)  # where it was
+    allowed = mask.allowed(states.compiler.vocab_size)[len(close) :]
+    assert allowed.sum(dim=1).tolist() == [1] * allowed.shape[0] and allowed[:, eos].all()
+    # Verification rejected the drafts and the target went on inside the string: the
+    # grammar follows the real output, and ends where the text does.
+    more = encode("z", add_special_tokens=False)
+    assert states.advance("r", more, engine.eos_token_ids) == (len(more), False)
+    assert states.advance("r", [*close, eos], engine.eos_token_ids)[1] is True
+
+
+class _FailsAtMask:
+    """A matcher that llguidance fails while computing its `at`-th mask (a limit or an
+    internal error): the matcher is then in error, and the mask it wrote allows EOS alone."""
+
+    def __init__(self, inner: Any, at: int, bad_token: int) -> None:
+        self.inner, self.at, self.bad, self.calls = inner, at, bad_token, 0
+
+    def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> Any:
+        self.calls += 1
+        if self.calls == self.at:
+            self.inner.consume_token(self.bad)  # puts the matcher in its error state
+        return self.inner.unsafe_compute_mask_ptr(ptr, size)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_grammar_that_fails_mid_request_fails_it_and_does_not_stop_it(engine):
+    """llguidance counts its error state as stopped: taken for a completed grammar, the
+    request finished "stop" with its output cut wherever the error came."""
+    sp = SamplingParams(
+        max_tokens=60, temperature=1.0, seed=3, grammar=Grammar.json_schema(STRING_A)
+    )
+    engine.add_request(make_request("fails", prompt_ids(4, 6), sp))
+    states = engine.grammars()
+    states._matchers["fails"] = _FailsAtMask(
+        states._matchers["fails"], at=8, bad_token=engine.eos_token_ids[0]
+    )
+    out = run_all(engine)["fails"]
+    assert out[-1].finish_reason is FinishReason.ERROR, text(out)
