@@ -86,10 +86,13 @@ class ToolUse:
         ]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         schema = {**schema, "x-guidance": _CALL_JSON}
-        repeat = "+" if self.parallel and self.choice == "required" else ""
+        # Qwen's and Hermes' templates put a newline inside the tags and between calls; the
+        # grammar allows one there, so each model keeps the form it learned
+        calls = 'call ("\\n"? call)*' if self.parallel and self.choice == "required" else "call"
         lark = (
-            f"start: call{repeat}\n"
-            f"call: {json.dumps(OPEN)} %json {json.dumps(schema)} {json.dumps(CLOSE)}\n"
+            f"start: {calls}\n"
+            f'call: {json.dumps(OPEN)} "\\n"? %json {json.dumps(schema)} "\\n"? '
+            f"{json.dumps(CLOSE)}\n"
         )
         param = "tool_choice" if self.choice != "required" else "tools"
         return Grammar("lark", lark, param)
@@ -188,14 +191,19 @@ class ToolCallStream:
     object `arguments` (or a JSON string of one; none means `{}`). Only then is it emitted,
     as one entry with the id, the name and the whole arguments, and counted in `num_calls`;
     anything else (malformed JSON, no closing tag, a reply that ends inside the block) is
-    content, verbatim up to where it failed, and reading goes on from there. Whitespace
-    between content and a call is dropped. Held back until decided: an open block, text that
-    may begin `<tool_call>`, and trailing whitespace (a call may follow it)."""
+    content, verbatim up to where it failed, and reading goes on from there. The content is
+    the text with its calls taken out, and the whitespace next to them; where calls stood
+    between two pieces of text one run of whitespace stays (the one before the calls, else
+    the one after), so `up <call> and` reads `up and`. Held back until
+    decided: an open block, text that may begin `<tool_call>`, and trailing whitespace (a call
+    may follow it)."""
 
     pending: str = ""  # undecided text; an open block's from its `<tool_call>` on
     num_calls: int = 0  # calls emitted
     held: str = ""  # trailing whitespace of the content so far
-    after_call: bool = False  # the next content's leading whitespace is dropped
+    after_call: bool = False  # calls were taken out since the last piece of content
+    gap: str = ""  # the whitespace that will separate the content around those calls
+    emitted: bool = False  # content other than whitespace was emitted
     scan: _BlockScan | None = None  # the open block (`pending` starts with it)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
@@ -222,24 +230,32 @@ class ToolCallStream:
                 entry = {"index": self.num_calls, "id": new_call_id(), "type": "function"}
                 deltas.append({**entry, "function": call})
                 self.num_calls += 1
+                self.gap = (self.gap or self.held) if self.emitted else ""
                 self.held, self.after_call = "", True
             self.pending, self.scan = self.pending[end:], None
         if final:
-            content.append(self.held)
+            if not self.num_calls:  # no call: the text as it came
+                content.append(self.held)
             self.held = ""
         return "".join(content), deltas
 
     def _content(self, out: list[str], text: str) -> None:
         """Adds `text` to the content, holding back its trailing whitespace."""
         if self.after_call:
-            text = text.lstrip()
-            if not text:
+            stripped = text.lstrip()
+            if not stripped:  # whitespace after the calls: the gap if none came before
+                if self.emitted and not self.gap:
+                    self.gap = text
                 return
-            self.after_call = False
+            lead = text[: len(text) - len(stripped)]
+            text = ((self.gap or lead) if self.emitted else "") + stripped
+            self.after_call, self.gap = False, ""
         text = self.held + text
         kept = text.rstrip()
         self.held = text[len(kept) :]
-        out.append(kept)
+        if kept:
+            out.append(kept)
+            self.emitted = True
 
 
 @dataclass(slots=True)

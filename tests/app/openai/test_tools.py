@@ -249,6 +249,8 @@ async def test_streamed_and_whole_replies_give_the_same_calls_content_and_finish
 
 
 TEXTS = [
+    "I will look that up " + CALL + " and then summarise.",
+    "Checking.\n\n" + CALL + "\n" + CALL + "  done \n",
     CALL, FORCED_PROBE, BROKEN, CUT, "<tool_call>", "plain text, no call",
     "Checking.\n\n" + CALL + "\n" + CALL.replace("A12", 'B"7') + " done",
     TAG_IN_STRING,
@@ -268,6 +270,24 @@ def test_the_stream_parser_agrees_with_the_whole_text_however_it_is_split(text):
         got = ("".join(t for t, _ in outs), [d["function"] for _, ds in outs for d in ds])
         assert got == expected, pieces
         assert stream.num_calls == len(calls)
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        ("I will look that up " + CALL + " and then summarise.", "I will look that up and then summarise."),
+        ("Checking.\n\n" + CALL + "\n" + CALL + " done", "Checking.\n\ndone"),
+        ("Checking." + CALL + "\n" + CALL + " done", "Checking.\ndone"),
+        ("Checking." + CALL + "done", "Checking.done"),
+        ("\n" + CALL + "\n\nDone.  ", "Done."),
+        ("Hi " + CALL + "\n", "Hi"),
+        (CALL + CALL, None),
+        ("  no calls here  ", "  no calls here  "),
+    ],
+)  # fmt: skip
+def test_the_content_is_the_text_without_its_calls_and_one_gap_where_they_stood(text, content):
+    got, calls = split_tool_calls(text)
+    assert got == content and len(calls) == text.count("<tool_call>")
 
 
 def test_a_tool_call_tag_inside_a_string_does_not_end_the_block():
@@ -338,3 +358,11 @@ def test_a_forced_call_is_written_as_chat_templates_write_calls(choice):
     assert not accepts(call_text("lookup_order", {"order_id": 4821}))
     assert not accepts(call_text("lookup_order", {}))
     assert accepts(call_text("cancel_order", {"x": 1})) == (choice == "required")
+    # Qwen's and Hermes' form: a newline inside the tags, and between parallel calls
+    hermes = (
+        '<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "K4821"}}\n</tool_call>'
+    )
+    assert accepts(hermes)
+    assert accepts(hermes + "\n" + hermes) == (choice == "required")
+    assert accepts(hermes + hermes) == (choice == "required")
+    assert not accepts(hermes.replace("\n", "\n\n", 1))  # one newline, not a run of them
