@@ -23,7 +23,7 @@ from engine.request import SamplingParams
 
 MAX_STOP = 32  # stop strings a request may give (OpenAI: 4); each is matched at every token
 MAX_STOP_CHARS = 1024
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "batch")  # flex, batch: bulk
 
 
@@ -40,6 +40,17 @@ def _stop(value: Any) -> list[str]:
             f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters each",
         )
     return value
+
+
+def _whole_number(value: Any) -> Any:
+    """`100.0` → `100`: a count computed in floating point (`json.dumps` writes `1000.0` for
+    `1e3`) is taken, as vLLM takes it; any other float, a string or a bool stays refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
 
 
 def _service_tier(value: Any) -> Any:
@@ -91,8 +102,11 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal[ROLES]  # type: ignore[valid-type]  # the tuple's strings
-    content: Annotated[str | list[dict[str, Any]] | None, BeforeValidator(_content)] = None
+    role: Role
+    content: Annotated[str | list[dict[str, Any]] | None, BeforeValidator(_content)] = Field(
+        None,
+        validate_default=True,  # a message without the key is checked as null
+    )
 
     @field_validator("content")
     @classmethod
@@ -113,17 +127,17 @@ class _GenerationRequest(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    max_tokens: int | None = None
+    n: Int = Field(1, ge=1)
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
     stop: Stop = Field(default_factory=list)
     stop_token_ids: list[int] | None = None
@@ -177,9 +191,9 @@ class _GenerationRequest(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -212,10 +226,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class CompletionRequest(_GenerationRequest):
     prompt: Annotated[list[str | list[int]], BeforeValidator(_prompt)]
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def logprobs_k(self) -> int | None:
         return self.logprobs

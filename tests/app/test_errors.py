@@ -73,6 +73,8 @@ async def test_bad_values_are_400_with_the_param():
         "messages[1].content": chat_body(
             messages=[{"role": "system", "content": "x"}, {"role": "user", "content": None}]
         ),
+        "messages[0].content": chat_body(messages=[{"role": "user"}]),  # no content key
+        "seed": chat_body(seed=1.5),
     }
     for param, body in cases.items():
         response, _ = await request(json=body)
@@ -235,3 +237,24 @@ async def test_models_are_listed_and_retrieved_through_the_sdk():
         with pytest.raises(openai.NotFoundError) as missing:
             await client.models.retrieve("nope")
         assert missing.value.body["code"] == "model_not_found"
+
+
+async def test_what_clients_commonly_send_is_taken():
+    """Strict types, but not stricter than clients: whole-number floats for counts (a value
+    computed in Python: `json.dumps(1e3)` is `1000.0`), integers for numbers, nulls for
+    optional fields, an assistant turn of tool calls without content, a function result."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    body = chat_body(
+        messages=messages, max_tokens=50.0, n=1.0, seed=42.0, temperature=1, top_p=1,
+        stop=[], stream_options=None, service_tier="auto", logprobs=False, top_logprobs=None,
+    )  # fmt: skip
+    response, engine = await request(json=body)
+    assert response.status_code == 200, response.text
+    [sent] = engine.requests
+    assert (sent.sampling.max_tokens, sent.sampling.seed) == (50, 42)
