@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -99,19 +100,20 @@ class BatchRunner:
 
     def poll(self) -> None:
         now = time.monotonic()
-        for batch in self.store.active_batches():
+        active = self.store.active_batches()
+        self._retry_at = {b.id: self._retry_at[b.id] for b in active if b.id in self._retry_at}
+        for batch in active:
             task = self._running.get(batch.id)
             if (task is None or task.done()) and self._retry_at.get(batch.id, 0.0) <= now:
                 task = asyncio.create_task(self.run_batch(batch.id), name=f"batch-{batch.id}")
-                task.add_done_callback(self._ran)
+                task.add_done_callback(functools.partial(self._ran, batch.id))
                 self._running[batch.id] = task
 
-    def _ran(self, task: asyncio.Task) -> None:
+    def _ran(self, batch_id: str, task: asyncio.Task) -> None:
         """A batch's run that raised (the store, say) is logged once and retried after
         `FAILED_RETRY_S`, not at every poll."""
         if task.cancelled() or (exc := task.exception()) is None:
             return
-        batch_id = task.get_name().removeprefix("batch-")
         self._retry_at[batch_id] = time.monotonic() + FAILED_RETRY_S
         logger.error(
             "batch %s stopped on an error; retrying in %.0f s", batch_id, FAILED_RETRY_S,
@@ -133,21 +135,28 @@ class BatchRunner:
     # -- one batch ---------------------------------------------------------------------------
 
     async def run_batch(self, batch_id: str) -> None:
+        """Run the batch's remaining lines, then end it; a batch whose input file is gone
+        (removed behind the API's back: the API refuses) fails with the reason."""
+        try:
+            await self._run_batch(batch_id)
+        except FileNotFoundError:
+            batch = self.store.get_batch(batch_id, None)
+            if batch is None or self.store.file_path(batch.input_file_id).exists():
+                raise  # another file: an error of this run, tried again later
+            message = f"the input file {batch.input_file_id} no longer exists"
+            logger.warning("batch %s failed: %s", batch_id, message)
+            error = {"code": "input_file_missing", "message": message,
+                     "param": "input_file_id", "line": None}  # fmt: skip
+            self.store.set_status(batch_id, "failed", only_from=ACTIVE, errors=[error])
+
+    async def _run_batch(self, batch_id: str) -> None:
         batch = self.store.get_batch(batch_id, None)
         if batch is None:
             return
         if batch.status == "validating":
             self.store.set_status(batch_id, "in_progress", only_from=("validating",))
         if batch.status in ("validating", "in_progress"):
-            try:
-                await self._run_lines(batch)
-            except FileNotFoundError:  # removed behind the API's back (the API refuses)
-                message = f"the input file {batch.input_file_id} no longer exists"
-                logger.warning("batch %s failed: %s", batch_id, message)
-                error = {"code": "input_file_missing", "message": message,
-                         "param": "input_file_id", "line": None}  # fmt: skip
-                self.store.set_status(batch_id, "failed", only_from=ACTIVE, errors=[error])
-                return
+            await self._run_lines(batch)
         batch = self.store.get_batch(batch_id, None)
         assert batch is not None
         if batch.status == "cancelling":

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +147,17 @@ def test_the_input_of_an_active_batch_cannot_be_deleted(tmp_path: Path) -> None:
     assert store.delete_file(file_id, "") is True and not store.file_path(file_id).exists()
 
 
-async def test_a_batch_whose_input_is_gone_fails_once_with_the_reason(tmp_path: Path) -> None:
+@pytest.mark.parametrize("status", ["in_progress", "finalizing"])
+async def test_a_batch_whose_input_is_gone_fails_once_with_the_reason(
+    tmp_path: Path, status: str
+) -> None:
+    """Gone before its lines ran, or while it was finalizing past its window (expiring
+    reads the input for the lines that never ran): failed either way, never stuck."""
     store = BatchStore(tmp_path)
     file_id = completion_lines(store, "g", 2)
-    batch = store.add_batch("", file_id, "/v1/completions", "24h", 3600, 2, None)
+    window = 3600 if status == "in_progress" else -1  # finalizing: already expired
+    batch = store.add_batch("", file_id, "/v1/completions", "24h", window, 2, None)
+    store.set_status(batch.id, status)
     store.file_path(file_id).unlink()  # behind the API's back
     runner = BatchRunner(store, None, lambda own: 4)  # type: ignore[arg-type]
     runner.poll()
@@ -157,24 +165,32 @@ async def test_a_batch_whose_input_is_gone_fails_once_with_the_reason(tmp_path: 
     failed = store.get_batch(batch.id, None)
     assert failed is not None and failed.status == "failed" and "failed_at" in failed.times
     assert failed.errors and failed.errors[0]["code"] == "input_file_missing"
-    runner.poll()  # a failed batch is not active: nothing runs it again
-    assert all(task.done() for task in runner._running.values())
-    assert store.active_batches() == []
+    assert store.active_batches() == []  # nothing runs it again
 
 
-async def test_a_run_that_raises_is_logged_once_and_retried_later(tmp_path: Path, caplog) -> None:
+async def test_a_run_that_raises_is_logged_once_and_retried_after_the_back_off(
+    tmp_path: Path, caplog
+) -> None:
     store = BatchStore(tmp_path)
     file_id = completion_lines(store, "r", 1)
     store.add_batch("", file_id, "/v1/completions", "24h", 3600, 1, None)
     runner = BatchRunner(store, None, lambda own: 4)  # type: ignore[arg-type]
+    runs = 0
 
     async def broken(batch_id: str) -> None:
+        nonlocal runs
+        runs += 1
         raise sqlite3.OperationalError("database is locked")
+
+    async def polls(n: int) -> None:
+        for _ in range(n):
+            runner.poll()
+            await asyncio.gather(*runner._running.values(), return_exceptions=True)
 
     runner.run_batch = broken  # type: ignore[method-assign]
     with caplog.at_level(logging.ERROR, logger="firstlight.batch"):
-        for _ in range(3):  # three polls in a row: one run, then the back-off holds
-            runner.poll()
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-    assert caplog.text.count("stopped on an error") == 1
+        await polls(3)  # one run, then the back-off holds
+        assert runs == 1 and caplog.text.count("stopped on an error") == 1
+        runner._retry_at = {k: time.monotonic() for k in runner._retry_at}  # back-off over
+        await polls(1)
+    assert runs == 2
