@@ -34,6 +34,9 @@ Progress goes to stderr; the LAST stdout line is one JSON object:
                                   shape (>= 0.65); `_by_params` divides the issue's
                                   count instead (2 x parameters x tokens, 32.9 TFLOP),
                                   and `hf_prefill_mfu_8b_2k*` gives HF's forward by both
+                                  (context only: HF's is a bare forward that computes
+                                  the LM head for all 2,048 tokens, ~2.1 TFLOP more;
+                                  ours is the engine's whole TTFT)
 plus the GPU's name and every absolute figure (per shape, ours and HF's), and
 `attention_prefill`: the attention backend alone on a 2,048-token causal prefill at the 8B
 shape's heads, its TFLOP/s against torch's SDPA on the same tensors.

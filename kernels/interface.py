@@ -15,6 +15,10 @@ One step, as the model runs it:
     for each layer:
         o = backend.forward(q, k, v, meta, kv_cache=layer_cache, scale=scale)
 
+or, where the layer ops write K/V themselves (RoPE fused with the write, `kernels.layer_ops`;
+only for a backend whose `standard_kv_write` is True), each layer writes `layer_cache` at
+`meta.slot_mapping` and calls `backend.attend(q, layer_cache, meta, state, scale=scale)`.
+
 CUDA graphs (`engine.runner.graphs`): a runner that captures decode steps calls
 `init_capture` once, then for each padded batch-size bucket `bs` (and key-length bound)
 captures the model's forward under the metadata from `prepare_for_capture(bs, max_seqlen_k)`;

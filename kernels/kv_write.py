@@ -1,7 +1,8 @@
 """Writing a step's new keys and values into the paged KV cache.
 
-Every backend reads K/V only through the cache, so each attention layer calls `write_kv`
-before attention runs; that is what lets `seq_lens_k` include this step's own tokens.
+Every backend reads K/V only through the cache, so each attention layer writes this step's
+K/V before attention runs (through `write_kv`, or the fused RoPE + write kernel of
+`kernels.layer_ops`); that is what lets `seq_lens_k` include this step's own tokens.
 """
 
 from __future__ import annotations

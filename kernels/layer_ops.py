@@ -214,7 +214,8 @@ def smoke_check(
     gate_up = rand(3, 2 * shape.intermediate)
     norms = (rand(head_dim), rand(head_dim), 1e-6) if shape.qk_norm else None
 
-    slots = torch.tensor([5, 0, 2], device=device)  # a 2-block cache of 4 slots a block
+    # a 2-block cache of 4 slots a block; -1 is a graph bucket's padding row (writes nothing)
+    slots = torch.tensor([5, -1, 2], device=device)
 
     def rope_write_kv(o: LayerOps) -> tuple[torch.Tensor, ...]:
         q, k, v = qkv.clone().split([shape.heads, shape.kv_heads, shape.kv_heads], dim=1)
@@ -225,7 +226,8 @@ def smoke_check(
             if norms is not None:
                 q, k = rms_norm(q, norms[0], norms[2]), rms_norm(k, norms[1], norms[2])
             q, k = o.rope(q, cos, sin), o.rope(k, cos, sin)
-            write_kv(k, v, cache[0], cache[1], slots)
+            kept = slots >= 0
+            write_kv(k[kept], v[kept], cache[0], cache[1], slots[kept])
         return q, cache
 
     def stages(o: LayerOps) -> dict[str, torch.Tensor]:

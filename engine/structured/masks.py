@@ -180,7 +180,7 @@ class GrammarStates:
 
 
 def _fill(
-    matcher: Any, drafts: list[int], out: torch.Tensor, eos_token_ids: tuple[int, ...] = ()
+    matcher: Any, drafts: list[int], out: torch.Tensor, eos_token_ids: tuple[int, ...]
 ) -> None:
     """Masks for the position before each draft and after the last the grammar accepts;
     the matcher is left as it was found. Raises GrammarViolation when the grammar has failed

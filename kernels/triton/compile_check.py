@@ -150,13 +150,13 @@ def fused_usages(*, dtype: str, hidden: int, intermediate: int, heads: int, kv_h
                                                    "st", "kcb", "kcs", "kch", "vcb", "vcs",
                                                    "vch")}),
             dict(HEADS=heads, HEADS_PAD=heads_pad, KV_HEADS=kv_heads, KV_PAD=kv_pad, HALF=half,
-                 HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=16, NORM=norm,
+                 HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=16, NORM=qk_norm,
                  SCALE_IN_DTYPE=dtype != "fp32"),
-            name=f"rope_write_kv{'_qk_norm' if norm else ''} {dtype} heads={heads}/{kv_heads} "
+            name=f"rope_write_kv{'_qk_norm' if qk_norm else ''} {dtype} heads={heads}/{kv_heads} "
                  f"d={head_dim}",
             arch=arch, num_warps=fused._warps(heads_pad * triton.next_power_of_2(half)),
         )
-        for norm in (False, True)  # Llama; Qwen3's q/k norms
+        for qk_norm in (False, True)  # Llama; Qwen3's q/k norms
     ]  # fmt: skip
     silu = _compile(
         fused.silu_mul_kernel,

@@ -10,8 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.runner.model_runner import ModelRunner
 from tests.engine.engine_fixture import greedy, make_request, prompt_ids
+from tests.engine.hf_tiny import FAMILIES, greedy_with_runner, random_prompt, save_hf_model
 from tests.gpu.helpers import warm_gpu_engine
 
 pytestmark = [
@@ -47,3 +50,29 @@ def test_bfloat16_graphs_run():
     got, engine = outputs(True, "bfloat16")
     assert engine.runner.graphs is not None and engine.runner.graphs.num_replays >= 300
     assert [len(v) for v in got.values()] == [400, 300, 250, 120, 60]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_model_family_replays_graphs_on_fused_ops_as_on_torchs(family, tmp_path):
+    """Biases, tied embeddings, MHA and GQA, Qwen3's q/k norms inside the RoPE + K/V write
+    kernel: with decode graphs captured (padding rows write nothing), the fused ops give
+    torch's greedy tokens in float32, and bfloat16 runs; each family's own kernel variants."""
+    save_hf_model(family, tmp_path)
+
+    def run(fused: bool | None, dtype: str) -> tuple[list[int], ModelRunner]:
+        config = EngineConfig(
+            model=str(tmp_path), device="cuda", dtype=dtype, fused_ops=fused,
+            cache=CacheConfig(num_blocks=64),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128),
+        )  # fmt: skip
+        runner = ModelRunner(config, str(tmp_path))
+        runner.warmup()
+        assert runner.graphs is not None
+        return greedy_with_runner(runner, random_prompt(21, seed=3), 40), runner
+
+    fused, runner = run(None, "float32")
+    assert runner.ops.name == "triton" and runner.graphs is not None
+    assert runner.graphs.num_replays >= 39
+    assert fused == run(False, "float32")[0]
+    tokens, runner = run(None, "bfloat16")
+    assert len(tokens) == 40 and runner.ops.name == "triton"

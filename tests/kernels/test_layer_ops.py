@@ -56,7 +56,9 @@ def test_the_smoke_check_compares_a_fused_rope_and_kv_write_with_rope_then_the_w
         fuses_kv_write = True
 
         def rope_write_kv(self, q, k, v, cos, sin, kv_cache, slot_mapping, qk_norm=None):
-            write_kv(self.rope(k, cos, sin), v, *kv_cache, self.slots(slot_mapping))
+            slots = self.slots(slot_mapping)
+            kept = slots >= 0
+            write_kv(self.rope(k, cos, sin)[kept], v[kept], *kv_cache, slots[kept])
             return self.rope(q, cos, sin)
 
         def slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
