@@ -275,7 +275,7 @@ def test_the_stream_parser_agrees_with_the_whole_text_however_it_is_split(text):
 @pytest.mark.parametrize(
     ("text", "content"),
     [
-        ("I will look that up " + CALL + " and then summarise.", "I will look that up and then summarise."),
+        ("I look that up " + CALL + " and then summarise.", "I look that up and then summarise."),
         ("Checking.\n\n" + CALL + "\n" + CALL + " done", "Checking.\n\ndone"),
         ("Checking." + CALL + "\n" + CALL + " done", "Checking.\ndone"),
         ("Checking." + CALL + "done", "Checking.done"),
