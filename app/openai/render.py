@@ -177,7 +177,7 @@ class ChatRenderer(Renderer):
         self.tools = tools if tools is not None and tools.parses_calls else None
         if self.tools is not None:
             for state in self.states:
-                state.tool_stream = ToolCallStream()
+                state.tool_stream = ToolCallStream(self.tools.names)
 
     def chunk(self, index: int, delta: TokenDelta) -> dict[str, Any] | None:
         if self.tools is None:
@@ -232,7 +232,7 @@ class ChatRenderer(Renderer):
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = state.finish_reason
         if self.tools is not None:
-            content, calls = split_tool_calls(text)
+            content, calls = split_tool_calls(text, self.tools.names)
             message["content"] = content
             if calls:
                 message["tool_calls"] = calls

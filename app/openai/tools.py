@@ -61,6 +61,11 @@ class ToolUse:
     def parses_calls(self) -> bool:
         return self.choice != "none"
 
+    @property
+    def names(self) -> frozenset[str]:
+        """The functions a reply may call: a block naming another is content."""
+        return frozenset(f["name"] for f in self.functions)
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The `tools` argument of the chat template (None with `tool_choice: "none"`)."""
         if self.choice == "none":
@@ -169,11 +174,13 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def split_tool_calls(
+    text: str, names: frozenset[str] | None = None
+) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole reply → (the content left, the tool calls): exactly what `ToolCallStream`
     streams for the same text, so a streamed and a whole reply agree. Without calls the
-    content is `text` unchanged."""
-    stream = ToolCallStream()
+    content is `text` unchanged. `names`: the tools offered (None: any valid name)."""
+    stream = ToolCallStream(names)
     content, deltas = stream.feed(text, final=True)
     if not deltas:
         return text, []
@@ -188,7 +195,8 @@ class ToolCallStream:
     A block is `<tool_call>`, whitespace, a JSON object, whitespace, `</tool_call>`; its end
     is found by scanning the JSON (strings, escapes, nesting), so a `</tool_call>` inside a
     string does not end it. A block is a call when its object has a function `name` and
-    object `arguments` (or a JSON string of one; none means `{}`). Only then is it emitted,
+    object `arguments` (or a JSON string of one; none means `{}`), and the name is one of
+    `names` when those are given (the tools the request offered). Only then is it emitted,
     as one entry with the id, the name and the whole arguments, and counted in `num_calls`;
     anything else (malformed JSON, no closing tag, a reply that ends inside the block) is
     content, verbatim up to where it failed, and reading goes on from there. The content is
@@ -198,6 +206,7 @@ class ToolCallStream:
     decided: an open block, text that may begin `<tool_call>`, and trailing whitespace (a call
     may follow it)."""
 
+    names: frozenset[str] | None = None  # the functions a call may name (None: any)
     pending: str = ""  # undecided text; an open block's from its `<tool_call>` on
     num_calls: int = 0  # calls emitted
     held: str = ""  # trailing whitespace of the content so far
@@ -223,7 +232,7 @@ class ToolCallStream:
             end = self.scan.read(self.pending, final)
             if end is None:
                 break  # the block goes on past the text so far
-            call = self.scan.call(self.pending) if self.scan.closed else None
+            call = self.scan.call(self.pending, self.names) if self.scan.closed else None
             if call is None:  # not a call: content up to where that was decided
                 self._content(content, self.pending[:end])
             else:
@@ -313,8 +322,9 @@ class _BlockScan:
                     self.end = self.at
         return len(block) if final else None
 
-    def call(self, block: str) -> dict[str, str] | None:
-        """The call of a whole block: {"name", "arguments" (JSON text)}; None if none."""
+    def call(self, block: str, names: frozenset[str] | None) -> dict[str, str] | None:
+        """The call of a whole block: {"name", "arguments" (JSON text)}; None if none (or
+        it names a function outside `names`)."""
         value = _json(block[self.start : self.end])
         if not isinstance(value, dict):
             return None
@@ -322,6 +332,8 @@ class _BlockScan:
         if isinstance(arguments, str):
             arguments = _json(arguments)
         if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            return None
+        if names is not None and name not in names:
             return None
         if not isinstance(arguments, dict):
             return None

@@ -231,8 +231,12 @@ TAG_IN_STRING = (  # a call whose argument is the text of another call
          ("stop", '<tool_call>{"order": 1}</tool_call>', [])),
         (("x <tool_call>not json</tool_call> ", CALL), FinishReason.STOP,
          ("tool_calls", "x <tool_call>not json</tool_call>", ORDER_CALL)),
-        (("<tool_call>\n", '{"name": "f", "arguments": "{\\"a\\": [1]}"}', "\n</tool_call>"),
-         FinishReason.STOP, ("tool_calls", None, [("f", '{"a": [1]}')])),
+        (("<tool_call>\n", '{"name": "cancel_order", "arguments": "{\\"a\\": [1]}"}',
+          "\n</tool_call>"),
+         FinishReason.STOP, ("tool_calls", None, [("cancel_order", '{"a": [1]}')])),
+        # a function the request did not offer: content, not a call a client would dispatch
+        (("<tool_call>", '{"name": "rm_rf", "arguments": {}}', "</tool_call>"), FinishReason.STOP,
+         ("stop", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', [])),
         (("a < b <tool", "s> <b>"), FinishReason.STOP, ("stop", "a < b <tools> <b>", [])),
     ],
 )  # fmt: skip
@@ -241,7 +245,7 @@ async def test_streamed_and_whole_replies_give_the_same_calls_content_and_finish
 ):
     pieces = tuple(p[i : i + 3] for p in pieces for i in range(0, len(p), 3))
     layer, _ = make_layer(FakeEngine(script=Script(pieces=pieces, finish=finish)))
-    body = chat(tools=[LOOKUP])
+    body = chat(tools=[LOOKUP, CANCEL])
     whole = await layer.prepare(Route.CHAT, body, headers={}, request_id="w")
     assert _whole((await complete(whole))["choices"][0]) == expected
     streamed = await layer.prepare(Route.CHAT, {**body, "stream": True}, headers={}, request_id="s")
