@@ -25,7 +25,7 @@ from actors.model_endpoint import (
     sync_forever,
     wait_for_first_view,
 )
-from actors.runtime import renice, replica_id
+from actors.runtime import renice, replica_id, route_logs
 from actors.settings import AppConfig
 from app.batch.runner import BatchRunner
 from app.batch.store import BatchStore
@@ -43,6 +43,7 @@ class BatchJobs:
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self, config: AppConfig, replicas: DeploymentHandle, control_plane: DeploymentHandle
     ) -> None:
+        route_logs()
         if config.batch_jobs.nice:
             renice(config.batch_jobs.nice)  # this process only: the actor has its own
         self.id = replica_id()

@@ -18,12 +18,14 @@ from actors.cluster import (
     ReplicaReport,
     RouterSync,
 )
+from actors.runtime import route_logs
 from actors.settings import ControlPlaneSettings
 
 
 @serve.deployment(name="ControlPlane", num_replicas=1, max_ongoing_requests=1000)
 class ControlPlane:
     def __init__(self, settings: ControlPlaneSettings) -> None:
+        route_logs()
         self.state = ClusterState(ttl_s=settings.report_ttl_s)
 
     async def report_replica(self, report: ReplicaReport) -> bool:

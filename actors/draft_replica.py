@@ -22,7 +22,7 @@ import pickle
 from ray import serve
 
 from actors.draft_channel import MAX_FRAME_BYTES, DraftService, ProposeCall, Release
-from actors.runtime import node_ip
+from actors.runtime import node_ip, route_logs
 from actors.settings import AppConfig
 from demo.paths import resolve_model
 from engine.spec.draft_model import DraftModel
@@ -35,6 +35,7 @@ _HEADER_SIZE = 4
 @serve.deployment(name="DraftReplica")
 class DraftReplica:
     async def __init__(self, config: AppConfig) -> None:  # type: ignore[misc]
+        route_logs()
         spec = config.engine.speculative
         settings = config.draft_replica
         draft = await asyncio.to_thread(

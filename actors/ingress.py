@@ -42,7 +42,7 @@ from actors.model_endpoint import (
     sync_forever,
     wait_for_first_view,
 )
-from actors.runtime import replica_id
+from actors.runtime import replica_id, route_logs
 from actors.serve_internals import serve_send_queue
 from actors.settings import AppConfig
 from app.metric_snapshot import Snapshot, merge_snapshots
@@ -64,6 +64,7 @@ class Ingress:
         control_plane: DeploymentHandle,
         batch_jobs: DeploymentHandle | None = None,  # runs what /v1/batches creates
     ) -> None:
+        route_logs()
         self.config = config
         self.control_plane = control_plane
         self.ingress_id = replica_id()
@@ -100,7 +101,10 @@ class Ingress:
         return {} if channel is None else channel.snapshot()
 
     async def _others(self) -> Iterable[Snapshot]:
-        return [self.cache.snapshot.metrics, self._channel_metrics()]
+        """Beside this ingress's HTTP metrics: the cluster's (the replicas', the other
+        ingresses'; the control plane leaves this one's out) and this one's channel and bulk
+        gate."""
+        return [self.cache.snapshot.metrics, self._channel_metrics(), self.gate.snapshot()]
 
     async def __del__(self) -> None:
         await disconnect(getattr(self, "_sync_task", None), getattr(self, "client", None))

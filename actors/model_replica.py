@@ -42,7 +42,7 @@ from actors.autoscaler import autoscaling_stats, scale_up_decided_before
 from actors.cluster import ReplicaReport
 from actors.draft_channel import RemoteDraftProposer
 from actors.messages import ReplicaError, ReplicaInfo, ReplicaStats
-from actors.runtime import deployment_name, node_id, replica_id, rss_bytes
+from actors.runtime import deployment_name, node_id, replica_id, route_logs, rss_bytes
 from actors.settings import AppConfig
 from actors.token_channel import ChannelAddress, ChannelClosedError, ChannelPool
 from demo.paths import resolve_model
@@ -63,6 +63,7 @@ class ModelReplica:
         control_plane: DeploymentHandle | None = None,
         draft_replica: DeploymentHandle | None = None,
     ):
+        route_logs()
         self.started_at = time.time()
         self.config = config
         self.control_plane = control_plane

@@ -1,7 +1,8 @@
-"""Small facts about the process a deployment runs in."""
+"""Small facts about the process a deployment runs in, and its logging."""
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -68,3 +69,25 @@ def renice(increment: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))
         except OSError:  # the thread ended meanwhile
             pass
+
+
+OUR_LOGGERS = ("firstlight", "engine")  # every logger of this project is below one of these
+
+
+def route_logs() -> None:
+    """Send this project's log records where Serve sends its own in this process: the
+    replica's log file and the console, in Serve's format (with the replica's id), at
+    Serve's level. Without it they reach no handler in a Serve worker: INFO lines vanish and
+    warnings go out bare, without time, level or replica. Idempotent; call it first in a
+    deployment's constructor. Outside a Serve replica (a deployment class built in a test,
+    say) it does nothing."""
+    if deployment_name()[0] is None:
+        return
+    serve_logger = logging.getLogger("ray.serve")
+    for name in OUR_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in serve_logger.handlers:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+        logger.setLevel(serve_logger.getEffectiveLevel())
+        logger.propagate = False  # not twice (a root handler, were one added)

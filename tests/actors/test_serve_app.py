@@ -11,6 +11,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -460,6 +461,10 @@ async def test_one_scrape_covers_replicas_and_ingress(base_url, request):
     assert any(dict(labels).get("replica") == replica_id for labels in kv)
     assert total(metrics, "firstlight_time_to_first_token_seconds_count") >= 5
     assert total(metrics, "firstlight_request_success_total") >= 5
+    # this ingress's own bulk gate (the control plane returns every ingress's but its own)
+    assert "firstlight_bulk_gate_in_flight" in metrics
+    assert "firstlight_bulk_gate_refused_total" in metrics
+
     connections = {
         dict(labels)["transport"]: value
         for labels, value in metrics.get("firstlight_token_channel_connections_total", {}).items()
@@ -468,6 +473,22 @@ async def test_one_scrape_covers_replicas_and_ingress(base_url, request):
         assert connections["unix"] >= 1 and connections["tcp"] == 0
     else:
         assert connections == {}
+
+
+def test_our_log_lines_reach_the_replicas_log_files(base_url):
+    """The project's loggers write where Serve writes, in its format: the model replica's
+    INFO line about its layer ops is in that replica's log file (without `route_logs` it
+    reached no handler at all)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    lines = [
+        line
+        for path in logs.glob("replica_firstlight_ModelReplica_*.log")
+        for line in path.read_text(errors="replace").splitlines()
+        if "layer ops torch chosen" in line
+    ]
+    assert lines and all(line.startswith("INFO ") for line in lines), lines[:3]
 
 
 # -- a replica dying (keep last: it replaces the model replica) ------------------------------

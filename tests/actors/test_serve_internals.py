@@ -370,3 +370,21 @@ def test_stop_router_loop_stops_and_forgets_the_handles_loop(monkeypatch):
         loop.run_until_complete(asyncio.sleep(0))
         loop.close()
     assert not serve_internals.stop_router_loop()  # no loop: nothing to stop
+
+
+def test_routing_logs_outside_a_serve_replica_changes_nothing() -> None:
+    """A deployment class built outside Serve (in a test) leaves the project's loggers as
+    they were: still propagating to the root, where pytest's capture and bare mode's
+    handler listen."""
+    import logging
+
+    from actors.runtime import OUR_LOGGERS, route_logs
+
+    before = [
+        (logging.getLogger(n).handlers[:], logging.getLogger(n).propagate) for n in OUR_LOGGERS
+    ]
+    route_logs()
+    after = [
+        (logging.getLogger(n).handlers[:], logging.getLogger(n).propagate) for n in OUR_LOGGERS
+    ]
+    assert after == before and all(propagate for _, propagate in after)
