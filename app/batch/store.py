@@ -192,23 +192,17 @@ class BatchStore:
         active batch reads it (the file is kept: that batch still needs its lines)."""
         marks = ", ".join("?" * len(ACTIVE))
         with self._tx() as db:
-            user = db.execute(
+            reader = db.execute(
                 f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({marks})"
                 " ORDER BY created_at LIMIT 1",
                 (file_id, *ACTIVE),
             ).fetchone()
-            if user is not None:
-                exists = db.execute(
-                    "SELECT 1 FROM files WHERE id = ? AND owner = ? AND deleted = 0",
-                    (file_id, owner),
-                ).fetchone()
-                if exists:
-                    raise FileInUse(file_id, str(user[0]))
-                return False
             deleted = db.execute(
                 "UPDATE files SET deleted = 1 WHERE id = ? AND owner = ? AND deleted = 0",
                 (file_id, owner),
             ).rowcount
+            if deleted and reader is not None:
+                raise FileInUse(file_id, str(reader[0]))  # the transaction rolls back
         if deleted:
             self.file_path(file_id).unlink(missing_ok=True)
         return bool(deleted)

@@ -59,11 +59,17 @@ def add_rms_norm_kernel(
     hf = h.to(tl.float32)
     inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / HIDDEN + eps)
     w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
-    if SCALE_IN_DTYPE:  # HF: normalise in float32, round to the model dtype, then scale
-        y = (hf * inv).to(h.dtype).to(tl.float32) * w
-    else:
-        y = hf * inv * w
+    y = _scaled(hf * inv, w, h.dtype, SCALE_IN_DTYPE)
     tl.store(out + row * stride_o + cols, y.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scaled(normed, w, dt, SCALE_IN_DTYPE: tl.constexpr):
+    """RMSNorm's last step, float32: HF rounds the normalised value to the model dtype `dt`
+    before the weight scales it (SCALE_IN_DTYPE, the 16-bit dtypes)."""
+    if SCALE_IN_DTYPE:
+        return normed.to(dt).to(tl.float32) * w
+    return normed * w
 
 
 @triton.jit
@@ -99,12 +105,8 @@ def _load_heads(
         cols = tl.arange(0, HALF_PAD)
         w1 = tl.load(norm_weight + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(norm_weight + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-        if SCALE_IN_DTYPE:  # normalise in float32, round to the model dtype, then scale
-            x1 = ((a * inv[:, None]).to(dt).to(tl.float32) * w1[None, :]).to(dt)
-            x2 = ((b * inv[:, None]).to(dt).to(tl.float32) * w2[None, :]).to(dt)
-        else:
-            x1 = (a * inv[:, None] * w1[None, :]).to(dt)
-            x2 = (b * inv[:, None] * w2[None, :]).to(dt)
+        x1 = _scaled(a * inv[:, None], w1[None, :], dt, SCALE_IN_DTYPE).to(dt)
+        x2 = _scaled(b * inv[:, None], w2[None, :], dt, SCALE_IN_DTYPE).to(dt)
     return x1, x2
 
 
